@@ -1,0 +1,74 @@
+"""Runtime configuration: one dataclass, filled from the command line or from keyword arguments."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof")
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+@dataclass
+class ServerArgs:
+    model_path: str | None = field(default=None, metadata={"help": "HF checkpoint directory or .gguf file (default: embedded SmolLM2-135M-Instruct)"})
+    tokenizer_path: str | None = field(default=None, metadata={"help": "tokenizer directory if it differs from the model's"})
+    dtype: str = field(default="auto", metadata={"help": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    context_length: int | None = field(default=None, metadata={"help": "cap the model's context length"})
+    page_size: int = field(default=0, metadata={"help": "tokens per KV page (0: 1 on CPU, 16 on CUDA)"})
+    max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens (default: from --mem-fraction)"})
+    mem_fraction: float = field(default=0.0, metadata={"help": "fraction of free memory for the KV pool (0: 0.15 on CPU, 0.85 on CUDA)"})
+    max_running_requests: int = field(default=256, metadata={"help": "most requests decoding at once"})
+    chunked_prefill_size: int = field(default=2048, metadata={"help": "most prompt tokens per prefill step; 0 or -1 disables chunking"})
+    max_prefill_tokens: int = field(default=16384, metadata={"help": "most tokens in one prefill batch"})
+    schedule_policy: str = field(default="lpm", metadata={"help": "one of " + ", ".join(SCHEDULE_POLICIES)})
+    disable_radix_cache: bool = field(default=False, metadata={"help": "no prefix sharing"})
+    attention_backend: str = field(default="auto", metadata={"help": "torch or triton (auto: torch on CPU, triton on CUDA)"})
+    random_seed: int = field(default=0, metadata={"help": "seed of the global sampling generator"})
+    init_new_token_ratio: float = field(default=0.7, metadata={"help": "share of max_new_tokens reserved per running request at admission"})
+    min_new_token_ratio: float = field(default=0.1, metadata={"help": "floor that the reserved share decays to"})
+    new_token_ratio_decay: float = field(default=0.001, metadata={"help": "decay of the reserved share per decode step"})
+    debug_accounting: bool = field(default=False, metadata={"help": "check KV accounting after every step (slow)"})
+    skip_tokenizer_init: bool = field(default=False, metadata={"help": "load no tokenizer: token ids in and out only"})
+    num_threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch default)"})
+
+    def __post_init__(self) -> None:
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS + ("auto",):
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.page_size < 0:
+            raise ValueError("page_size must be >= 0")
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+
+    @property
+    def chunk_size(self) -> int | None:
+        """Prompt tokens per prefill step, or None when chunking is off."""
+        return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", help=help_text)
+                continue
+            kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+            parser.add_argument(flag, type=kind, default=f.default, help=help_text)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown runtime option(s) {unknown}; allowed: {sorted(names)}")
+        return cls(**kwargs)

@@ -1,0 +1,44 @@
+"""The KV pool: per-layer K and V tensors indexed by slot, and the request -> slot table."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """K/V of every cached token: k[layer][slot] is [kv_heads, head_dim]."""
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        self.num_slots = num_slots
+        # Zeroed, not empty: padded gathers read unused slots, and garbage could hold NaNs
+        # that a masked-out attention weight of 0 would still turn into NaN.
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer][slots] = k
+        self.v[layer][slots] = v
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+class ReqToTokenTable:
+    """Row r, column p holds the KV slot of position p of the request that owns row r."""
+
+    def __init__(self, num_rows: int, max_context: int, device: torch.device | str) -> None:
+        self.table = torch.zeros((num_rows, max_context), dtype=torch.int64, device=device)
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def alloc_row(self) -> int:
+        return self._free_rows.pop()
+
+    def free_row(self, row: int) -> None:
+        self._free_rows.append(row)

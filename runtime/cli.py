@@ -1,0 +1,47 @@
+"""The `radixlm` command: `radixlm generate "prompt"` (and `serve`, `bench` as they arrive)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from runtime.args import ServerArgs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="radixlm", description="prefix-sharing LLM runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for prompts from the command line")
+    gen.add_argument("prompts", nargs="+", help="one or more prompts (run as one batch)")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    ServerArgs.add_cli_args(gen)
+    ns = parser.parse_args(argv)
+    if ns.command == "generate":
+        return _generate(ns)
+    return 2
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from runtime.engine import Engine
+
+    engine = Engine(**vars(ServerArgs.from_cli_args(ns)))
+    prompts = ns.prompts if ns.raw else [engine.apply_chat_template([{"role": "user", "content": p}]) for p in ns.prompts]
+    params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "top_p": ns.top_p, "seed": ns.seed}
+    start = time.perf_counter()
+    results = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    tokens = 0
+    for prompt, res in zip(ns.prompts, results):
+        print(f"### {prompt}\n{res['text']}\n")
+        tokens += res["meta_info"]["completion_tokens"]
+    print(f"[{len(results)} prompt(s), {tokens} tokens in {elapsed:.2f}s, {tokens / elapsed:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,223 @@
+"""Per-request sampling parameters: the user-facing contract of how to decode.
+
+Construction normalises and type-checks (a ``str`` stop becomes a list, JSON
+string keys of ``logit_bias`` become ints); ``validate`` checks ranges, and
+token ids against the vocabulary when it is known. ``from_dict`` does both and
+is what the HTTP / Engine edge calls on untrusted input.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Mapping
+
+
+class SamplingParamsError(ValueError):
+    """Sampling parameters a user sent are malformed or out of range."""
+
+
+_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens")
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 disables
+    min_p: float = 0.0
+    # HF semantics over prompt + output tokens: positive logits divided,
+    # negative logits multiplied.
+    repetition_penalty: float = 1.0
+    # OpenAI semantics over output tokens: logit -= f * count, logit -= p * (count > 0).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # Carried only; constrained decoding reads them. At most one may be set.
+    regex: str | None = None
+    json_schema: str | None = None
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        for name in _INT_FIELDS:
+            setattr(self, name, _as_int(name, getattr(self, name)))
+        for name in _FLOAT_FIELDS:
+            setattr(self, name, _as_float(name, getattr(self, name)))
+        for name in _BOOL_FIELDS:
+            setattr(self, name, _as_bool(name, getattr(self, name)))
+        self.seed = None if self.seed is None else _as_int("seed", self.seed)
+        self.stop = _as_stop_list(self.stop)
+        self.stop_token_ids = _as_token_ids("stop_token_ids", self.stop_token_ids)
+        self.logit_bias = _as_logit_bias(self.logit_bias)
+        self.regex = _as_optional_str("regex", self.regex)
+        self.json_schema = _as_json_schema(self.json_schema)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
+        """Parse and validate untrusted input; ``None`` gives the defaults.
+
+        A field whose value is ``None`` (JSON ``null``) takes its default.
+        Raises ``SamplingParamsError`` for unknown fields, wrong types and
+        out-of-range values, naming the field.
+        """
+        if d is None:
+            return cls()
+        if not isinstance(d, Mapping):
+            raise SamplingParamsError(
+                f"sampling params must be an object, got {type(d).__name__}"
+            )
+        allowed = field_names()
+        unknown = [k for k in d if k not in allowed]
+        if unknown:
+            raise SamplingParamsError(
+                f"unknown sampling parameter(s) {', '.join(map(repr, unknown))}; "
+                f"allowed: {', '.join(sorted(allowed))}"
+            )
+        params = cls(**{k: v for k, v in d.items() if v is not None})
+        params.validate()
+        return params
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Range checks; token ids must lie in ``[0, vocab_size)`` when given."""
+        _require(self.max_new_tokens >= 0, "max_new_tokens", self.max_new_tokens, ">= 0")
+        _require(
+            0 <= self.min_new_tokens <= self.max_new_tokens,
+            "min_new_tokens",
+            self.min_new_tokens,
+            f">= 0 and <= max_new_tokens ({self.max_new_tokens})",
+        )
+        _require(self.temperature >= 0, "temperature", self.temperature, ">= 0 (0 = greedy)")
+        _require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        _require(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "-1 (off) or >= 1")
+        _require(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        _require(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _require(-2 <= value <= 2, name, value, "in [-2, 2]")
+        _require(self.n >= 1, "n", self.n, ">= 1")
+        if "" in self.stop:
+            raise SamplingParamsError("stop strings must be non-empty; got an empty string in stop")
+        if self.regex is not None and self.json_schema is not None:
+            raise SamplingParamsError("regex and json_schema are mutually exclusive; set at most one")
+        self._validate_token_ids(vocab_size)
+
+    def _validate_token_ids(self, vocab_size: int | None) -> None:
+        bound = "in [0, vocab_size)" if vocab_size is None else f"in [0, {vocab_size})"
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or {})):
+            for tid in ids:
+                ok = tid >= 0 and (vocab_size is None or tid < vocab_size)
+                _require(ok, f"{name} token id", tid, bound)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """A deep copy as plain Python values; ``from_dict`` round-trips it."""
+        return asdict(self)
+
+
+def field_names() -> frozenset[str]:
+    """Names ``SamplingParams.from_dict`` accepts."""
+    return frozenset(f.name for f in fields(SamplingParams))
+
+
+def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise SamplingParamsError(f"{name}={value!r} is out of range; allowed: {allowed}")
+
+
+def _type_error(name: str, expected: str, value: Any) -> SamplingParamsError:
+    return SamplingParamsError(
+        f"{name} must be {expected}, got {type(value).__name__} {value!r}"
+    )
+
+
+def _as_int(name: str, value: Any) -> int:
+    # bool is an int subclass; `"max_new_tokens": true` is a client bug, not 1.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise _type_error(name, "an integer", value)
+    return int(value)
+
+
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _type_error(name, "a number", value)
+    value = float(value)
+    if not math.isfinite(value):
+        raise SamplingParamsError(f"{name} must be finite, got {value!r}")
+    return value
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _type_error(name, "a boolean", value)
+    return value
+
+
+def _as_optional_str(name: str, value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise _type_error(name, "a string", value)
+    return value
+
+
+def _as_json_schema(value: Any) -> str | None:
+    # JSON clients naturally send the schema as an object; carry it as text.
+    if isinstance(value, Mapping):
+        return json.dumps(value)
+    return _as_optional_str("json_schema", value)
+
+
+def _as_stop_list(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
+        raise _type_error("stop", "a string or a list of strings", value)
+    return list(value)
+
+
+def _as_token_ids(name: str, value: Any) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise _type_error(name, "a list of integers", value)
+    return [_as_int(name, v) for v in value]
+
+
+def _as_token_id_key(key: Any) -> int:
+    # JSON object keys are always strings, so "50256" must mean token 50256.
+    if isinstance(key, str):
+        try:
+            return int(key)
+        except ValueError:
+            raise _type_error("logit_bias key", "a token id", key) from None
+    return _as_int("logit_bias key", key)
+
+
+def _as_logit_bias(value: Any) -> dict[int, float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise _type_error("logit_bias", "an object mapping token id to bias", value)
+    return {_as_token_id_key(k): _as_float("logit_bias value", v) for k, v in value.items()}

@@ -1,0 +1,134 @@
+"""The scheduler's view of KV memory: pages, the prefix cache, and each request's row of slots."""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.cache.allocator import PageAllocator
+from runtime.cache.kv_pool import ReqToTokenTable
+from runtime.cache.radix_cache import NoPrefixCache, PrefixCache, RadixCache
+from runtime.scheduler.req import Req
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+class KVManager:
+    """Every page is exactly one of: free, in the prefix cache (evictable or locked),
+    or owned by a request with a row. `check_accounting()` proves it."""
+
+    def __init__(self, num_pages: int, page_size: int, table: ReqToTokenTable, use_radix: bool,
+                 device: torch.device) -> None:
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.table = table
+        self.allocator = PageAllocator(num_pages, page_size, device)
+        self.cache: PrefixCache = RadixCache(self.allocator) if use_radix else NoPrefixCache(self.allocator)
+        self._offsets = torch.arange(page_size, device=device)
+
+    # ---- capacity ----------------------------------------------------------------------------
+
+    @property
+    def available_pages(self) -> int:
+        """Pages that could be handed out now, evicting unlocked cache entries if needed."""
+        return self.allocator.num_free_pages + self.cache.evictable_pages
+
+    def owned_pages(self, req: Req) -> int:
+        return pages_for(req.cached_len, self.page_size) - req.prefix_len // self.page_size
+
+    def pages_to_extend(self, req: Req, new_tokens: int) -> int:
+        end = req.cached_len + new_tokens
+        return pages_for(end, self.page_size) - pages_for(req.cached_len, self.page_size)
+
+    # ---- admission and release ---------------------------------------------------------------
+
+    def match_len(self, req: Req) -> tuple[int, object]:
+        m = self.cache.match_prefix(req.tokens(0, self._match_limit(req)))
+        return len(m.slots), m.node
+
+    def admit(self, req: Req) -> None:
+        """Give a request a row, its cached prefix (locked) and its cached length."""
+        assert req.row is None
+        m = self.cache.match_prefix(req.tokens(0, self._match_limit(req)))
+        req.row = self.table.alloc_row()
+        req.prefix_len = req.cached_len = len(m.slots)
+        req.node = m.node
+        req.cached_tokens += req.prefix_len
+        self.cache.lock(m.node)
+        if req.prefix_len:
+            self.table.table[req.row, : req.prefix_len] = m.slots
+
+    def undo_admit(self, req: Req) -> None:
+        """Back out of `admit` for a request that turned out not to fit."""
+        self.cache.unlock(req.node)
+        self.table.free_row(req.row)
+        req.cached_tokens -= req.prefix_len
+        req.row, req.node, req.prefix_len, req.cached_len = None, None, 0, 0
+
+    def release(self, req: Req) -> None:
+        """Hand a finished or retracted request's KV to the prefix cache and free its row."""
+        slots = self.table.table[req.row, : req.cached_len]
+        self.cache.cache_request(req.tokens(0, req.cached_len), slots, req.prefix_len, req.node)
+        self.table.free_row(req.row)
+        req.row, req.node, req.prefix_len, req.cached_len = None, None, 0, 0
+
+    def _match_limit(self, req: Req) -> int:
+        # At least one token must be computed to produce logits; prompt logprobs need
+        # the hidden state of every position from logprob_start_len - 1 on.
+        limit = req.seq_len - 1
+        if req.wants_input_logprobs and not req.input_logprobs_done:
+            limit = min(limit, max(req.logprob_start_len - 1, 0))
+        return limit
+
+    # ---- slots for a step --------------------------------------------------------------------
+
+    def alloc_pages(self, n: int) -> torch.Tensor:
+        short = n - self.allocator.num_free_pages
+        if short > 0:
+            self.cache.evict(short)
+        pages = self.allocator.alloc(n)
+        assert pages is not None, "caller must check available_pages first"
+        return pages
+
+    def extend_slots(self, req: Req, n: int) -> torch.Tensor:
+        """Slots for positions [cached_len, cached_len + n) of a request, written into its row."""
+        start, end, p = req.cached_len, req.cached_len + n, self.page_size
+        owned_end = min(pages_for(start, p) * p, end)  # room left in the request's last page
+        parts = []
+        if owned_end > start:
+            last = self.table.table[req.row, start - 1]
+            parts.append(last + 1 + torch.arange(owned_end - start, device=last.device))
+        if end > owned_end:
+            pages = self.alloc_pages(pages_for(end - owned_end, p))
+            parts.append((pages[:, None] * p + self._offsets).flatten()[: end - owned_end])
+        slots = torch.cat(parts) if len(parts) > 1 else parts[0]
+        self.table.table[req.row, start:end] = slots
+        return slots
+
+    def decode_slots(self, rows: torch.Tensor, positions: torch.Tensor, need_page: torch.Tensor,
+                     num_new_pages: int) -> torch.Tensor:
+        """One slot per request at `positions`; requests whose position starts a page get a new one."""
+        if self.page_size == 1:
+            slots = self.alloc_pages(num_new_pages)
+        else:
+            slots = self.table.table[rows, (positions - 1).clamp(min=0)] + 1
+            if num_new_pages:
+                slots[need_page] = self.alloc_pages(num_new_pages) * self.page_size
+        self.table.table[rows, positions] = slots
+        return slots
+
+    # ---- the invariant -----------------------------------------------------------------------
+
+    def check_accounting(self, reqs_with_rows: list[Req]) -> None:
+        owned = sum(self.owned_pages(r) for r in reqs_with_rows)
+        free, evictable, locked = self.allocator.num_free_pages, self.cache.evictable_pages, self.cache.locked_pages
+        total = free + evictable + locked + owned
+        assert total == self.num_pages, (
+            f"KV accounting broken: free {free} + evictable {evictable} + locked {locked} + owned {owned} "
+            f"= {total} != pool {self.num_pages}"
+        )
+        self.cache.check_invariants()
+
+    def flush(self) -> None:
+        self.cache.reset()

@@ -1,0 +1,91 @@
+"""A request as the scheduler sees it: lengths say where it stands."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from runtime.messages import TokenizedRequest
+
+
+class FinishKind(Enum):
+    STOP = "stop"  # eos, a stop token or a stop string
+    LENGTH = "length"  # max_new_tokens or the context length
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class Finish:
+    kind: FinishKind
+    detail: Any = None  # matched token id / stop string; length; abort message
+
+    def to_dict(self) -> dict[str, Any]:
+        key = {FinishKind.STOP: "matched", FinishKind.LENGTH: "length", FinishKind.ABORT: "message"}[self.kind]
+        return {"type": self.kind.value, key: self.detail}
+
+
+class Req:
+    """One request in the scheduler.
+
+    Positions [0, prefix_len) share KV with the prefix cache (locked at `node`);
+    positions [prefix_len, cached_len) have KV in pages this request owns; the
+    tokens from cached_len to seq_len are what the next forward pass must feed.
+    Prefill, a prefill chunk, decode and re-prefill after retraction are all
+    that one rule.
+    """
+
+    def __init__(self, tr: TokenizedRequest, arrival: int) -> None:
+        self.rid = tr.rid
+        self.prompt_ids = list(tr.input_ids)
+        self.params = tr.sampling_params
+        self.output_ids: list[int] = []
+        self.arrival = arrival
+        self.return_logprob = tr.return_logprob
+        self.top_logprobs_num = tr.top_logprobs_num
+        self.logprob_start_len = tr.logprob_start_len
+        self.row: int | None = None
+        self.prefix_len = 0
+        self.cached_len = 0
+        self.node: Any = None
+        self.cached_tokens = 0  # prefix-cache hits reported to the client
+        self.finish: Finish | None = None
+        self.sent_len = 0  # output tokens already reported
+        self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        # prompt logprobs, filled while prefilling; None until wanted
+        self.input_logprobs: list[float | None] | None = None
+        self.input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+        self.input_logprobs_sent = False
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def extend_len(self) -> int:
+        return self.seq_len - self.cached_len
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and 0 <= self.logprob_start_len < self.prompt_len
+
+    @property
+    def input_logprobs_done(self) -> bool:
+        # position 0 has no logprob but holds a None, so the list always ends at prompt_len
+        got = len(self.input_logprobs) if self.input_logprobs is not None else 0
+        return got == self.prompt_len - max(self.logprob_start_len, 0)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        n = self.prompt_len
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[max(start - n, 0) : end - n]
+
+    def __repr__(self) -> str:
+        return f"Req({self.rid!r}, prompt={self.prompt_len}, out={len(self.output_ids)}, cached={self.cached_len})"

@@ -1,0 +1,403 @@
+"""The scheduler: one event loop step at a time, it picks a batch, runs it, and processes the results.
+
+Prefill goes first (chunked when a prompt is longer than the chunk budget), else
+every running request decodes one token. Requests are admitted only when their
+KV fits; when decode runs out of pages the least advanced requests are
+retracted to the front of the queue (their tokens kept) and prefilled again
+later. The scheduler does no I/O: `add_request`, `abort` and `step` are its API.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from runtime.args import ServerArgs
+from runtime.messages import TokenizedRequest, TokenOutput
+from runtime.scheduler.kv_manager import KVManager, pages_for
+from runtime.scheduler.policy import Budget, order_waiting, reserved_decode_tokens
+from runtime.scheduler.req import Finish, FinishKind, Req
+from runtime.utils import ragged_arange
+from runtime.worker.forward_batch import ForwardMode
+from runtime.worker.model_worker import ModelWorker, WorkerBatch, WorkerOutput
+from runtime.worker.sampler import SamplingBatch
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the scheduler cannot take (the message says why)."""
+
+
+@dataclass
+class ScheduledBatch:
+    mode: ForwardMode
+    reqs: list[Req]
+    extend_lens: list[int]
+    sampled: list[Req]  # requests that get a new token from this step, in sample-row order
+    logprob_spans: list[tuple[Req, int, int]]  # (req, first prompt position, count) of prompt logprobs computed
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, worker: ModelWorker, decode: Callable[[list[int]], str] | None = None) -> None:
+        self.args = args
+        self.worker = worker
+        self.decode = decode  # token ids -> text, for stop strings
+        self.device = worker.device
+        self.context_length = worker.context_length
+        self.eos_ids = list(worker.config.eos_token_ids)
+        self.kv = KVManager(worker.num_pages, worker.page_size, worker.req_to_token,
+                            not args.disable_radix_cache, worker.device)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []  # decoding
+        self.chunked: Req | None = None  # mid-prefill between chunks
+        self.new_token_ratio = args.init_new_token_ratio
+        self._arrivals = 0
+        self.num_retractions = 0
+        self._ended: list[TokenOutput] = []  # outputs of requests ended while scheduling
+
+    # ---- API ---------------------------------------------------------------------------------
+
+    def add_request(self, tr: TokenizedRequest) -> None:
+        if not tr.input_ids:
+            raise RequestError("the prompt is empty")
+        if len(tr.input_ids) >= self.context_length:
+            raise RequestError(
+                f"the prompt has {len(tr.input_ids)} tokens; the context length is {self.context_length} "
+                "(prompt plus at least one new token must fit)"
+            )
+        vocab = self.worker.config.vocab_size
+        if max(tr.input_ids) >= vocab or min(tr.input_ids) < 0:
+            raise RequestError(f"input token ids must lie in [0, {vocab})")
+        tr.sampling_params.validate(vocab)
+        self.waiting.append(Req(tr, self._arrivals))
+        self._arrivals += 1
+
+    def abort(self, rid: str) -> TokenOutput | None:
+        """End a request wherever it is; returns its final output, or None if it is unknown."""
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    return self._end(req, Finish(FinishKind.ABORT, "aborted"))
+        if self.chunked is not None and self.chunked.rid == rid:
+            req, self.chunked = self.chunked, None
+            return self._end(req, Finish(FinishKind.ABORT, "aborted"))
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.waiting) + len(self.running) + (self.chunked is not None)
+
+    def step(self) -> list[TokenOutput]:
+        """Run one batch; returns the outputs of every request that advanced."""
+        batch = self._schedule_prefill() or self._schedule_decode()
+        if batch is None:
+            ended, self._ended = self._ended, []
+            return ended
+        result = self.worker.forward(self._to_worker_batch(batch))
+        outputs = self._process(batch, result)
+        if self.args.debug_accounting:
+            self.check_accounting()
+        return outputs
+
+    def check_accounting(self) -> None:
+        self.kv.check_accounting(self._reqs_with_rows())
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; only possible when no request is in flight."""
+        if self.has_work:
+            return False
+        self.kv.flush()
+        return True
+
+    def _reqs_with_rows(self) -> list[Req]:
+        reqs = self.running + [r for r in self.waiting if r.row is not None]
+        return reqs + ([self.chunked] if self.chunked else [])
+
+    # ---- choosing a batch --------------------------------------------------------------------
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        if not self.waiting and self.chunked is None:
+            return None
+        budget = Budget(
+            tokens=self.args.max_prefill_tokens,
+            chunk=self.args.chunk_size,
+            pages=self.kv.available_pages - self._reserved_pages(),
+        )
+        reqs, lens = [], []
+        if self.chunked is not None:
+            req, self.chunked = self.chunked, None
+            n = self._chunk_len(req, budget, first=True)
+            budget.take(n, 0)  # its pages were counted when it was admitted
+            if n < req.extend_len:
+                self.chunked = req
+            reqs.append(req)
+            lens.append(n)
+        for req in order_waiting(self.args.schedule_policy, self.waiting, self.kv.match_len):
+            if len(self.running) + len(reqs) >= self.args.max_running_requests or self.chunked is not None:
+                break
+            n = self._try_admit(req, budget, first=not reqs)
+            if n == 0:
+                break
+            self.waiting.remove(req)
+            reqs.append(req)
+            lens.append(n)
+        if not reqs:
+            return None
+        return self._extend_batch(reqs, lens)
+
+    def _try_admit(self, req: Req, budget: Budget, first: bool) -> int:
+        """Admit `req` if its whole remaining prefill and reserved decode fit; returns its extend length now."""
+        evictable_before = self.kv.cache.evictable_pages
+        self.kv.admit(req)
+        page = self.kv.page_size
+        need = pages_for(req.seq_len, page) - req.prefix_len // page
+        alone = first and not self.running  # nothing to wait for: admit if the prompt itself fits
+        if not alone:
+            need += pages_for(reserved_decode_tokens(req, self.new_token_ratio), page)
+        # locking the matched prefix took its pages out of the evictable ones the budget counted
+        need += evictable_before - self.kv.cache.evictable_pages
+        n = self._chunk_len(req, budget, first)
+        if need > budget.pages or n == 0:
+            self.kv.undo_admit(req)
+            if alone and need > budget.pages:
+                self._reject_oversized(req)
+            return 0
+        budget.take(n, need)
+        if n < req.extend_len:
+            self.chunked = req
+        return n
+
+    def _reject_oversized(self, req: Req) -> None:
+        """A request that cannot fit even with the whole pool to itself would wait forever: end it."""
+        self.waiting.remove(req)
+        msg = (f"the request needs KV for {req.seq_len} tokens but the pool holds "
+               f"{self.kv.num_pages * self.kv.page_size}; raise --max-total-tokens")
+        log.error("aborting %s: %s", req.rid, msg)
+        self._ended.append(self._end(req, Finish(FinishKind.ABORT, msg)))
+
+    def _chunk_len(self, req: Req, budget: Budget, first: bool) -> int:
+        n = req.extend_len
+        if budget.chunk is not None:
+            n = min(n, budget.chunk)
+        if n > budget.tokens and not first:
+            return 0  # whole prompts only, unless it is the first of the batch
+        return max(n, 0)
+
+    def _reserved_pages(self) -> int:
+        reqs = self.running + ([self.chunked] if self.chunked else [])
+        tokens = sum(reserved_decode_tokens(r, self.new_token_ratio) for r in reqs)
+        if self.chunked is not None:
+            tokens += self.chunked.extend_len
+        return pages_for(tokens, self.kv.page_size) + (len(reqs) if self.kv.page_size > 1 else 0)
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        if not self.running:
+            return None
+        self._retract_until_fits()
+        if not self.running:
+            return None
+        self.new_token_ratio = max(self.args.min_new_token_ratio, self.new_token_ratio - self.args.new_token_ratio_decay)
+        reqs = list(self.running)
+        return ScheduledBatch(ForwardMode.DECODE, reqs, [1] * len(reqs), reqs, [])
+
+    def _retract_until_fits(self) -> None:
+        while True:
+            need = sum(1 for r in self.running if r.cached_len % self.kv.page_size == 0)
+            if need <= self.kv.available_pages:
+                return
+            if len(self.running) == 1:
+                req = self.running.pop()
+                log.error("KV pool too small for request %s alone; aborting it", req.rid)
+                self._ended.append(self._end(req, Finish(FinishKind.ABORT, "KV cache pool is too small")))
+                return
+            victim = min(self.running, key=lambda r: (len(r.output_ids), -r.prompt_len))
+            self.running.remove(victim)
+            self.kv.release(victim)
+            self.waiting.insert(0, victim)
+            self.new_token_ratio = self.args.init_new_token_ratio
+            self.num_retractions += 1
+
+    # ---- building the worker's batch ---------------------------------------------------------
+
+    def _extend_batch(self, reqs: list[Req], lens: list[int]) -> ScheduledBatch:
+        sampled, spans = [], []
+        for req, n in zip(reqs, lens):
+            if req.cached_len + n == req.seq_len and req.params.max_new_tokens > 0:
+                sampled.append(req)
+            span = self._logprob_span(req, n)
+            if span is not None:
+                spans.append(span)
+        return ScheduledBatch(ForwardMode.EXTEND, reqs, lens, sampled, spans)
+
+    @staticmethod
+    def _logprob_span(req: Req, n: int) -> tuple[Req, int, int] | None:
+        """Hidden positions of this chunk whose next-token logprob belongs to the prompt logprobs."""
+        if not req.wants_input_logprobs or req.input_logprobs_done:
+            return None
+        first = max(req.cached_len, req.logprob_start_len - 1, 0)
+        last = min(req.cached_len + n, req.prompt_len - 1)
+        return (req, first, last - first) if last > first else None
+
+    def _to_worker_batch(self, b: ScheduledBatch) -> WorkerBatch:
+        dev = self.device
+        rows = torch.tensor([r.row for r in b.reqs], dtype=torch.int64, device=dev)
+        prefix = torch.tensor([r.cached_len for r in b.reqs], dtype=torch.int64, device=dev)
+        ext = torch.tensor(b.extend_lens, dtype=torch.int64, device=dev)
+        if b.mode is ForwardMode.DECODE:
+            input_ids, positions, out_slots, sample_rows = self._decode_inputs(b, rows, prefix)
+        else:
+            input_ids, positions, out_slots, sample_rows = self._extend_inputs(b, prefix, ext)
+        wb = WorkerBatch(
+            mode=b.mode, input_ids=input_ids, positions=positions, out_slots=out_slots, req_rows=rows,
+            prefix_lens=prefix, extend_lens=ext, seq_lens=prefix + ext, max_extend_len=max(b.extend_lens),
+            max_seq_len=max(r.cached_len + n for r, n in zip(b.reqs, b.extend_lens)),
+            sample_rows=sample_rows, sampling=self._sampling(b.sampled),
+            return_logprob=any(r.return_logprob for r in b.sampled) or bool(b.logprob_spans),
+            top_logprobs_num=max([r.top_logprobs_num for r in b.reqs if r.return_logprob] or [0]),
+        )
+        if b.logprob_spans:
+            wb.prompt_rows, wb.prompt_targets = self._prompt_logprob_inputs(b)
+        return wb
+
+    def _decode_inputs(self, b: ScheduledBatch, rows: torch.Tensor, prefix: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        input_ids = torch.tensor([r.output_ids[-1] for r in b.reqs], dtype=torch.int64, device=self.device)
+        need_page = prefix % self.kv.page_size == 0
+        out_slots = self.kv.decode_slots(rows, prefix, need_page, int(need_page.sum()))
+        return input_ids, prefix, out_slots, torch.arange(len(b.reqs), device=self.device)
+
+    def _extend_inputs(self, b: ScheduledBatch, prefix: torch.Tensor, ext: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ids: list[int] = []
+        slots = []
+        for req, n in zip(b.reqs, b.extend_lens):
+            ids.extend(req.tokens(req.cached_len, req.cached_len + n))
+            slots.append(self.kv.extend_slots(req, n))
+        ends = torch.cumsum(ext, 0)
+        sampled = {id(r) for r in b.sampled}
+        last_rows = [int(e) - 1 for r, e in zip(b.reqs, ends.tolist()) if id(r) in sampled]
+        positions = torch.repeat_interleave(prefix, ext) + ragged_arange(ext)
+        return (torch.tensor(ids, dtype=torch.int64, device=self.device), positions, torch.cat(slots),
+                torch.tensor(last_rows, dtype=torch.int64, device=self.device))
+
+    def _prompt_logprob_inputs(self, b: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed-token rows whose hidden state scores the next prompt token, and those tokens."""
+        offset_of, offset = {}, 0
+        for req, n in zip(b.reqs, b.extend_lens):
+            offset_of[id(req)] = offset - req.cached_len  # packed index of the request's position 0
+            offset += n
+        rows: list[int] = []
+        targets: list[int] = []
+        for req, first, count in b.logprob_spans:
+            base = offset_of[id(req)]
+            rows.extend(range(base + first, base + first + count))
+            targets.extend(req.prompt_ids[first + 1 : first + 1 + count])
+        return (torch.tensor(rows, dtype=torch.int64, device=self.device),
+                torch.tensor(targets, dtype=torch.int64, device=self.device))
+
+    def _sampling(self, reqs: list[Req]) -> SamplingBatch | None:
+        if not reqs:
+            return None
+        return SamplingBatch.build(
+            [r.params for r in reqs], [r.prompt_ids for r in reqs], [r.output_ids for r in reqs],
+            self.eos_ids, self.worker.config.vocab_size, self.device,
+        )
+
+    # ---- processing results ------------------------------------------------------------------
+
+    def _process(self, b: ScheduledBatch, out: WorkerOutput) -> list[TokenOutput]:
+        for req, n in zip(b.reqs, b.extend_lens):
+            req.cached_len += n
+        self._store_prompt_logprobs(b, out)
+        for i, req in enumerate(b.sampled):
+            req.output_ids.append(out.next_token_ids[i])
+            if req.return_logprob:
+                req.output_logprobs.append(out.logprobs[i])
+                if req.top_logprobs_num:
+                    k = req.top_logprobs_num
+                    req.output_top_logprobs.append(list(zip(out.top_logprobs[i][:k], out.top_logprob_ids[i][:k])))
+        outputs, self._ended = self._ended, []
+        for req in b.reqs:
+            if b.mode is ForwardMode.EXTEND and req is self.chunked:
+                continue
+            finish = self._check_finish(req)
+            if finish is not None:
+                if req in self.running:
+                    self.running.remove(req)
+                outputs.append(self._end(req, finish))
+            else:
+                if b.mode is ForwardMode.EXTEND:
+                    self.running.append(req)
+                outputs.append(self._output(req))
+        return outputs
+
+    def _store_prompt_logprobs(self, b: ScheduledBatch, out: WorkerOutput) -> None:
+        at = 0
+        for req, first, count in b.logprob_spans:
+            if req.input_logprobs is None:
+                # position logprob_start_len's logprob; position 0 has none
+                start = req.logprob_start_len
+                req.input_logprobs = [None] if start == 0 else []
+                req.input_top_logprobs = [None] if start == 0 else []
+            req.input_logprobs.extend(out.prompt_logprobs[at : at + count])
+            if req.top_logprobs_num:
+                k = req.top_logprobs_num
+                for vals, ids in zip(out.prompt_top_logprobs[at : at + count], out.prompt_top_logprob_ids[at : at + count]):
+                    req.input_top_logprobs.append(list(zip(vals[:k], ids[:k])))
+            at += count
+
+    def _check_finish(self, req: Req) -> Finish | None:
+        p = req.params
+        if not req.output_ids:
+            return Finish(FinishKind.LENGTH, 0) if req.params.max_new_tokens == 0 else None
+        last = req.output_ids[-1]
+        if (last in self.eos_ids and not p.ignore_eos) or last in p.stop_token_ids:
+            if len(req.output_ids) >= p.min_new_tokens:
+                return Finish(FinishKind.STOP, last)
+        if p.stop and self.decode is not None and len(req.output_ids) >= p.min_new_tokens:
+            matched = self._match_stop_string(req)
+            if matched is not None:
+                return Finish(FinishKind.STOP, matched)
+        if len(req.output_ids) >= p.max_new_tokens:
+            return Finish(FinishKind.LENGTH, len(req.output_ids))
+        if req.seq_len >= self.context_length:
+            return Finish(FinishKind.LENGTH, len(req.output_ids))
+        return None
+
+    def _match_stop_string(self, req: Req) -> str | None:
+        # A stop string of n characters spans at most n tokens (plus one partial token on each side).
+        window = max(len(s) for s in req.params.stop) + 2
+        tail = self.decode(req.output_ids[-window:])
+        for s in req.params.stop:
+            if s in tail:
+                return s
+        return None
+
+    def _end(self, req: Req, finish: Finish) -> TokenOutput:
+        req.finish = finish
+        if req.row is not None:
+            self.kv.release(req)
+        return self._output(req)
+
+    def _output(self, req: Req) -> TokenOutput:
+        new = req.output_ids[req.sent_len :]
+        out = TokenOutput(
+            rid=req.rid, new_token_ids=new, prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens, finish_reason=req.finish.to_dict() if req.finish else None,
+        )
+        if req.return_logprob:
+            out.output_logprobs = req.output_logprobs[req.sent_len :]
+            out.output_top_logprobs = req.output_top_logprobs[req.sent_len :]
+            if req.input_logprobs is not None and not req.input_logprobs_sent and (req.output_ids or req.finish):
+                out.input_logprobs, out.input_top_logprobs = req.input_logprobs, req.input_top_logprobs
+                req.input_logprobs_sent = True
+        req.sent_len = len(req.output_ids)
+        return out
+

@@ -1,0 +1,158 @@
+"""Building blocks of the decoder, written tensor-parallel: at tp size 1 they are plain layers.
+
+Every parameter carries a `weight_loader(param, loaded, shard)` that copies this
+rank's slice of a full checkpoint tensor into it, so the model's loader needs
+no knowledge of the parallel layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.worker.parallel import TPContext
+
+
+def _param(shape: Sequence[int], loader: Callable[..., None]) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    p.weight_loader = loader  # type: ignore[attr-defined]
+    return p
+
+
+class MergedColumnLinear(nn.Module):
+    """y = x W^T for several column blocks fused into one matmul (q/k/v, gate/up).
+
+    Each block's output is split across ranks; `shard` in the loader names the block.
+    """
+
+    def __init__(self, in_features: int, block_sizes: Sequence[int], bias: bool, tp: TPContext) -> None:
+        super().__init__()
+        self.local_sizes = [size // tp.size for size in block_sizes]
+        self.tp = tp
+        out = sum(self.local_sizes)
+        self.weight = _param((out, in_features), self._load)
+        self.bias = _param((out,), self._load) if bias else None
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        size = self.local_sizes[shard]
+        start = sum(self.local_sizes[:shard])
+        rows = loaded.narrow(0, self.tp.rank * size, size)
+        param.data[start : start + size].copy_(rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input dimension split across ranks; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPContext) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = _param((out_features, in_features // tp.size), self._load)
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        start, end = self.tp.shard(loaded.shape[1])
+        param.data.copy_(loaded[:, start:end])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(F.linear(x, self.weight))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; also serves as the (tied) LM head."""
+
+    def __init__(self, vocab_size: int, dim: int, tp: TPContext) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.per_rank = math.ceil(vocab_size / tp.size)
+        self.start = tp.rank * self.per_rank
+        self.weight = _param((self.per_rank, dim), self._load)
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        rows = loaded[self.start : self.start + self.per_rank]
+        param.data.zero_()
+        param.data[: rows.shape[0]].copy_(rows)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(out)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits: each rank computes its rows, then they are gathered."""
+        local = F.linear(hidden, self.weight)
+        return self.tp.all_gather_last_dim(local)[..., : self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((dim,), _copy_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _copy_loader(param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+    param.data.copy_(loaded)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding in the "rotate half" layout, with an optional llama3 frequency scaling."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if scaling:
+            inv_freq = _scale_inv_freq(inv_freq, scaling)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k: [tokens, heads, head_dim]; returns them rotated."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    c = torch.cat((cos, cos), dim=-1)
+    s = torch.cat((sin, sin), dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x.float() * c + rotated * s).to(x.dtype)
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind != "llama3":
+        raise NotImplementedError(f"rope scaling {kind!r} is not supported (supported: default, linear, llama3)")
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+    return torch.where(mid, blended, out)

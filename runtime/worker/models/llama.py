@@ -1,0 +1,144 @@
+"""The Llama-family decoder: Llama 2/3, SmolLM, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+Attention reads and writes the paged KV pool through the attention backend that
+the ForwardBatch carries, so the model itself is stateless between steps.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.worker.forward_batch import ForwardBatch
+from runtime.worker.layers import (
+    MergedColumnLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from runtime.worker.model_config import ModelConfig
+from runtime.worker.parallel import TPContext
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPContext) -> None:
+        super().__init__()
+        if cfg.num_kv_heads % tp.size:
+            raise ValueError(f"num_key_value_heads={cfg.num_kv_heads} is not divisible by tp size {tp.size}")
+        self.layer_id = layer_id
+        self.num_heads = cfg.num_heads // tp.size
+        self.num_kv_heads = cfg.num_kv_heads // tp.size
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = MergedColumnLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.attention_bias, tp)
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, tp)
+        self.rotary = rotary
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        q_len, kv_len = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_len, kv_len, kv_len], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = fb.attn_backend.forward(q, k, v, self.layer_id, self.scale, fb)
+        return self.o_proj(out.reshape(-1, q_len))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPContext) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_id, rotary, tp)
+        self.mlp = MLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, fb)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# checkpoint name fragment -> (our fused parameter fragment, block index within it)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
+        super().__init__()
+        self.cfg = cfg
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Final hidden states of every token in the batch, [tokens, hidden]."""
+        x = self.embed_tokens(fb.input_ids)
+        for layer in self.layers:
+            x = layer(x, fb.positions, fb)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.logits(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        seen: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            target, shard = self._target(name)
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            param = params[target]
+            param.weight_loader(param, tensor.to(param.dtype), shard)
+            seen.add(target)
+        missing = sorted(set(params) - seen)
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+    @staticmethod
+    def _target(name: str) -> tuple[str, int]:
+        for frag, (fused, shard) in _FUSED.items():
+            if f".{frag}." in name:
+                return name.replace(frag, fused), shard
+        return name, 0
+
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}

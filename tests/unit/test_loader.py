@@ -1,0 +1,67 @@
+"""Model discovery, config parsing and GGUF tensor naming."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.worker.loader import _unpermute_rows, default_model_path, gguf_to_hf_name, resolve_model
+from runtime.worker.model_config import ModelConfig, UnsupportedModelError
+
+
+def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    # what llama.cpp's converter does to q/k rows: interleave the two rotary halves of each head
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("heads,head_dim,cols", [(4, 8, 5), (3, 64, 1), (2, 4, 3)])
+def test_unpermute_inverts_llama_cpp_permutation(heads, head_dim, cols):
+    w = np.random.default_rng(0).standard_normal((heads * head_dim, cols)).astype(np.float32)
+    permuted = _llama_cpp_permute(w, heads)
+    assert not np.array_equal(permuted, w)
+    np.testing.assert_array_equal(_unpermute_rows(permuted, heads), w)
+
+
+def test_gguf_names_map_to_hf():
+    assert gguf_to_hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert gguf_to_hf_name("blk.12.attn_q.weight") == "model.layers.12.self_attn.q_proj.weight"
+    assert gguf_to_hf_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
+    assert gguf_to_hf_name("blk.3.attn_k_norm.weight") == "model.layers.3.self_attn.k_norm.weight"
+    assert gguf_to_hf_name("output.weight") == "lm_head.weight"
+    assert gguf_to_hf_name("rope_freqs.weight") is None
+
+
+def test_default_model_is_found():
+    src = resolve_model(None)
+    assert src.is_gguf and src.path == default_model_path()
+
+
+def _hf_config(**kw):
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "eos_token_id": [2, 3]}
+    cfg.update(kw)
+    return cfg
+
+
+def test_config_from_hf_reads_family_flags():
+    llama = ModelConfig.from_hf(_hf_config())
+    assert (llama.head_dim, llama.num_kv_heads, llama.eos_token_ids, llama.qk_norm) == (16, 2, [2, 3], False)
+    qwen2 = ModelConfig.from_hf(_hf_config(architectures=["Qwen2ForCausalLM"]))
+    assert qwen2.attention_bias and not qwen2.qk_norm
+    qwen3 = ModelConfig.from_hf(_hf_config(architectures=["Qwen3ForCausalLM"], head_dim=32))
+    assert qwen3.qk_norm and qwen3.head_dim == 32
+    mistral = ModelConfig.from_hf(_hf_config(architectures=["MistralForCausalLM"], sliding_window=64,
+                                             max_position_embeddings=4096))
+    assert mistral.context_length == 64  # no sliding-window kernel: cap the context instead
+
+
+def test_rope_parameters_of_transformers_v5_are_read():
+    cfg = ModelConfig.from_hf(_hf_config(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                          "original_max_position_embeddings": 64}))
+    assert cfg.rope_theta == 5e5 and cfg.rope_scaling["rope_type"] == "llama3"
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    with pytest.raises(UnsupportedModelError, match="Qwen3ForCausalLM"):
+        ModelConfig.from_hf(_hf_config(architectures=["FalconForCausalLM"]))

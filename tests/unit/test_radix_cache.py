@@ -1,0 +1,287 @@
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.cache.allocator import PageAllocator
+from runtime.cache.radix_cache import NoPrefixCache, PrefixCache, RadixCache, TreeNode
+
+
+def pages_to_slots(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    return (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+
+
+@dataclass(eq=False)  # identity: live.remove must not compare tensors
+class Req:
+    tokens: list[int]
+    slots: torch.Tensor
+    prefix_len: int
+    node: TreeNode
+    owned_pages: int
+
+
+class Sim:
+    """Drives a cache the way the scheduler does and records what every slot holds.
+
+    kv[slot] is the token prefix whose last token's KV the slot holds, so a match
+    that hands out a wrong or reused slot is caught.
+    """
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self.cache, self.alloc, self.P = cache, cache.allocator, cache.page_size
+        self.live: list[Req] = []
+        self.kv: dict[int, tuple[int, ...]] = {}
+
+    def start(self, tokens: list[int]) -> Req | None:
+        """Admit a request: match, lock, allocate (evicting if short) and 'compute' its KV."""
+        match = self.cache.match_prefix(tokens)
+        prefix = len(match.slots)
+        assert prefix % self.P == 0 and prefix <= len(tokens)
+        for i, slot in enumerate(match.slots.tolist()):
+            assert self.kv[slot] == tuple(tokens[: i + 1]), "matched slot holds another prefix's KV"
+        self.cache.lock(match.node)
+        need = -(-(len(tokens) - prefix) // self.P)
+        if self.alloc.num_free_pages < need:
+            self.cache.evict(need - self.alloc.num_free_pages)
+        pages = self.alloc.alloc(need)
+        if pages is None:
+            self.cache.unlock(match.node)
+            return None
+        own = pages_to_slots(pages, self.P)[: len(tokens) - prefix]
+        for i, slot in enumerate(own.tolist()):
+            self.kv[slot] = tuple(tokens[: prefix + i + 1])
+        req = Req(tokens, torch.cat([match.slots, own]), prefix, match.node, need)
+        self.live.append(req)
+        return req
+
+    def finish(self, req: Req) -> None:
+        self.live.remove(req)
+        self.cache.cache_request(req.tokens, req.slots, req.prefix_len, req.node)
+
+    def check(self) -> None:
+        self.cache.check_invariants()
+        owned = sum(r.owned_pages for r in self.live)
+        total = self.alloc.num_free_pages + self.cache.evictable_pages + self.cache.locked_pages + owned
+        assert total == self.alloc.num_pages, "pages leaked or double-counted"
+
+    def random_op(self, rng: random.Random, history: list[list[int]]) -> None:
+        op = rng.random()
+        if op < 0.5 or not self.live:
+            base = rng.choice(history) if history and rng.random() < 0.8 else []
+            tokens = base[: rng.randint(0, len(base))] + [rng.randint(0, 2) for _ in range(rng.randint(0, 3 * self.P))]
+            if self.start(tokens):
+                history.append(tokens)
+        elif op < 0.85:
+            self.finish(rng.choice(self.live))
+        else:
+            want, before = rng.randint(0, 4), self.cache.evictable_pages
+            freed = self.cache.evict(want)
+            assert freed == before - self.cache.evictable_pages
+            assert freed >= min(want, before), "evictable pages left behind"
+        self.check()
+
+
+def make(page_size: int, num_pages: int = 64) -> tuple[PageAllocator, RadixCache]:
+    alloc = PageAllocator(num_pages, page_size)
+    return alloc, RadixCache(alloc)
+
+
+def cache_tokens(sim: Sim, tokens: list[int]) -> None:
+    """Run one request through start and finish."""
+    req = sim.start(tokens)
+    assert req is not None
+    sim.finish(req)
+
+
+def test_match_on_empty_tree() -> None:
+    _, cache = make(4)
+    m = cache.match_prefix(list(range(10)))
+    assert m.slots.numel() == 0 and m.slots.dtype == torch.int64
+    assert m.node is cache.root
+    cache.check_invariants()
+
+
+def test_full_and_partial_match_split_at_page_boundary() -> None:
+    _, cache = make(4)
+    sim = Sim(cache)
+    tokens = list(range(12))
+    req = sim.start(tokens)
+    slots = req.slots.clone()
+    sim.finish(req)
+
+    full = cache.match_prefix(tokens)
+    assert torch.equal(full.slots, slots)
+
+    part = cache.match_prefix(tokens[:9] + [99, 98, 97])  # diverges inside the node's third page
+    assert torch.equal(part.slots, slots[:8])
+    assert part.node.key == tokens[:8] and part.node.parent is cache.root  # split so the node is exactly the match
+    assert [c.key for c in part.node.children.values()] == [tokens[8:]]
+    assert cache.evictable_pages == 3
+    cache.check_invariants()
+
+
+def test_match_does_not_grow_the_tree() -> None:
+    _, cache = make(4)
+    sim = Sim(cache)
+    cache_tokens(sim, [1, 2, 3, 4, 5, 6, 7, 8])
+    m = cache.match_prefix([9, 9, 9, 9, 9])
+    assert m.node is cache.root and m.slots.numel() == 0
+    assert len(cache.root.children) == 1 and cache.evictable_pages == 2
+    cache.check_invariants()
+
+
+def test_unaligned_key_stores_whole_pages_and_frees_the_tail() -> None:
+    alloc, cache = make(4, num_pages=8)
+    sim = Sim(cache)
+    cache_tokens(sim, list(range(10)))  # 3 pages used, 2 cached
+    assert cache.evictable_pages == 2 and alloc.num_free_pages == 6
+    assert len(cache.match_prefix(list(range(10))).slots) == 8
+    sim.check()
+
+
+def test_lock_moves_pages_and_locked_nodes_survive_eviction() -> None:
+    alloc, cache = make(4, num_pages=8)
+    sim = Sim(cache)
+    tokens = list(range(12))
+    cache_tokens(sim, tokens)
+    m = cache.match_prefix(tokens[:8])
+    cache.lock(m.node)
+    assert (cache.evictable_pages, cache.locked_pages) == (1, 2)
+    assert cache.evict(10) == 1  # only the unlocked tail below the locked node
+    assert (cache.evictable_pages, cache.locked_pages) == (0, 2)
+    assert torch.equal(cache.match_prefix(tokens).slots, m.slots)
+    cache.unlock(m.node)
+    assert (cache.evictable_pages, cache.locked_pages) == (2, 0)
+    cache.check_invariants()
+    assert cache.evict(10) == 2 and alloc.num_free_pages == 8
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_evict_is_lru_and_frees_parents_that_become_leaves(page_size: int) -> None:
+    _, cache = make(page_size)
+    sim = Sim(cache)
+    P = page_size
+    stem, a, b = [1] * P, [1] * P + [2] * P, [1] * P + [3] * P
+    cache_tokens(sim, a)
+    cache_tokens(sim, b)  # b is newer ...
+    cache.match_prefix(a)  # ... until a is touched
+    assert cache.evict(1) == 1
+    assert len(cache.match_prefix(b).slots) == P and len(cache.match_prefix(a).slots) == 2 * P
+    cache.check_invariants()
+    assert cache.evict(1) == 1  # a's leaf, not the stem that still has a child then
+    assert len(cache.match_prefix(a).slots) == P
+    assert cache.evict(1) == 1  # the stem became a leaf and is evictable now
+    assert len(cache.match_prefix(stem).slots) == 0 and cache.evictable_pages == 0
+    cache.check_invariants()
+
+
+def test_duplicates_and_tail_page_are_freed() -> None:
+    alloc, cache = make(4, num_pages=16)
+    sim = Sim(cache)
+    tokens = list(range(10))
+    r1, r2 = sim.start(tokens), sim.start(tokens)  # both miss: each owns 3 pages
+    assert alloc.num_free_pages == 10
+    sim.finish(r1)  # caches 2 pages, frees its tail page
+    assert alloc.num_free_pages == 11
+    sim.finish(r2)  # all 3 of its pages are duplicates or tail
+    assert alloc.num_free_pages == 14 and cache.evictable_pages == 2
+    sim.check()
+
+    longer = tokens[:8] + [50, 51, 52, 53, 60, 61, 62, 63]
+    r3 = sim.start(longer)  # holds the 8-token prefix locked, owns 2 pages
+    assert r3.prefix_len == 8 and alloc.num_free_pages == 12
+    cache_tokens(sim, longer[:12])  # another request caches one page of r3's continuation
+    assert alloc.num_free_pages == 11 and (cache.evictable_pages, cache.locked_pages) == (1, 2)
+    sim.finish(r3)  # frees its duplicate page (never its prefix), caches the last one
+    assert alloc.num_free_pages == 12 and (cache.evictable_pages, cache.locked_pages) == (4, 0)
+    sim.check()
+
+
+def test_cached_slots_survive_reuse_of_the_callers_table() -> None:
+    _, cache = make(2)
+    table = torch.arange(4, dtype=torch.int64).repeat(2, 1)  # like a req_to_token row, reused later
+    root = cache.match_prefix([7, 8, 9, 10]).node
+    cache.lock(root)
+    cache.cache_request([7, 8, 9, 10], table[0], 0, root)
+    table[0] = -1
+    assert cache.match_prefix([7, 8, 9, 10]).slots.tolist() == [0, 1, 2, 3]
+
+
+def test_reset_returns_every_page() -> None:
+    alloc, cache = make(2, num_pages=16)
+    sim = Sim(cache)
+    for tokens in ([1, 2, 3, 4, 5], [1, 2, 7, 7], [9, 9, 9]):
+        cache_tokens(sim, tokens)
+    cache.reset()
+    assert alloc.num_free_pages == 16 and cache.evictable_pages == 0
+    assert cache.match_prefix([1, 2, 3, 4]).slots.numel() == 0
+    cache.check_invariants()
+
+
+def test_no_prefix_cache_frees_everything() -> None:
+    alloc = PageAllocator(8, 4)
+    cache = NoPrefixCache(alloc)
+    sim = Sim(cache)
+    r1 = sim.start(list(range(10)))
+    r2 = sim.start(list(range(10)))
+    assert r1.prefix_len == 0 and r2.prefix_len == 0 and alloc.num_free_pages == 2
+    sim.finish(r1)
+    sim.finish(r2)
+    assert alloc.num_free_pages == 8
+    assert cache.match_prefix(list(range(10))).slots.numel() == 0
+    assert (cache.evict(4), cache.evictable_pages, cache.locked_pages) == (0, 0, 0)
+    sim.check()
+
+
+def test_check_invariants_catches_counter_drift() -> None:
+    _, cache = make(1)
+    cache_tokens(Sim(cache), [1, 2, 3])
+    cache._evictable += 1
+    with pytest.raises(AssertionError, match="recount"):
+        cache.check_invariants()
+
+
+def drive(page_size: int, num_pages: int, seed: int, steps: int) -> Sim:
+    rng, history = random.Random(seed), []
+    sim = Sim(make(page_size, num_pages)[1])
+    for _ in range(steps):
+        sim.random_op(rng, history)
+    for req in list(sim.live):
+        sim.finish(req)
+        sim.check()
+    assert sim.cache.locked_pages == 0
+    return sim
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4, 16])
+@pytest.mark.parametrize(("seed", "num_pages"), [(0, 24), (1, 24), (2, 96), (3, 96)])
+def test_random_ops_keep_invariants_and_accounting(page_size: int, seed: int, num_pages: int) -> None:
+    sim = drive(page_size, num_pages, seed, steps=300)
+    sim.cache.evict(10**9)
+    assert sim.alloc.num_free_pages == num_pages  # everything comes back once nothing is locked
+
+
+def test_heap_stays_bounded_under_repeated_touches() -> None:
+    _, cache = make(2)
+    sim = Sim(cache)
+    cache_tokens(sim, [1, 2, 3, 4])
+    cache_tokens(sim, [1, 2, 5, 6])
+    for i in range(500):
+        cache.match_prefix([1, 2, 3, 4] if i % 2 else [1, 2, 5, 6])
+        cache.check_invariants()
+    assert len(cache._heap) < 100  # stale entries get dropped, not hoarded
+    assert cache.evict(1) == 1  # the last loop touch was [1, 2, 3, 4], so [5, 6] goes
+    assert len(cache.match_prefix([1, 2, 3, 4]).slots) == 4 and len(cache.match_prefix([1, 2, 5, 6]).slots) == 2
+
+
+@settings(max_examples=40, deadline=None)
+@given(page_size=st.sampled_from([1, 3, 4]), num_pages=st.integers(4, 20), seed=st.integers(0, 2**32))
+def test_hypothesis_random_ops(page_size: int, num_pages: int, seed: int) -> None:
+    sim = drive(page_size, num_pages, seed, steps=60)
+    sim.cache.reset()
+    assert sim.alloc.num_free_pages == num_pages
