@@ -80,6 +80,18 @@ class PrefixCache(ABC):
         """
 
     @abstractmethod
+    def cache_unfinished(self, token_ids: Sequence[int], slots: torch.Tensor, prefix_len: int,
+                         node: TreeNode) -> MatchResult:
+        """Share a running request's KV so far (after a prefill or a prefill chunk).
+
+        Same inputs as `cache_request`, but the request keeps going: the page-aligned
+        head is cached, duplicate pages are freed, and the request's lock moves from
+        `node` to the node of the whole head. Returns that head's slots (the tree's,
+        which the request must now use in place of its own) and node; the partial
+        tail page stays the request's.
+        """
+
+    @abstractmethod
     def evict(self, num_pages: int) -> int:
         """Free at least `num_pages` pages if possible, least recently used first; return pages freed."""
 
@@ -205,6 +217,21 @@ class RadixCache(PrefixCache):
         self._free_slots(slots[prefix_len:present])
         self._free_slots(slots[aligned:])
         self.unlock(node)
+
+    def cache_unfinished(self, token_ids: Sequence[int], slots: torch.Tensor, prefix_len: int,
+                         node: TreeNode) -> MatchResult:
+        P = self.page_size
+        assert len(token_ids) == len(slots) and prefix_len % P == 0, (len(token_ids), len(slots), prefix_len)
+        aligned = len(token_ids) // P * P
+        head = list(token_ids[:aligned])
+        present = self._insert(head, slots[:aligned])
+        assert present >= prefix_len, (present, prefix_len)
+        self._free_slots(slots[prefix_len:present])
+        match = self.match_prefix(head)
+        assert len(match.slots) == aligned, (len(match.slots), aligned)
+        self.lock(match.node)  # lock the new path before unlocking the old one, which it contains
+        self.unlock(node)
+        return match
 
     # ---- locking and LRU ---------------------------------------------------
 
@@ -350,6 +377,10 @@ class NoPrefixCache(PrefixCache):
                       node: TreeNode) -> None:
         assert len(token_ids) == len(slots) and prefix_len % self.page_size == 0
         self._free_slots(slots[prefix_len:])
+
+    def cache_unfinished(self, token_ids: Sequence[int], slots: torch.Tensor, prefix_len: int,
+                         node: TreeNode) -> MatchResult:
+        return MatchResult(self.root.value, self.root)  # nothing is shared: the request keeps its pages
 
     def evict(self, num_pages: int) -> int:
         return 0

@@ -73,6 +73,15 @@ class KVManager:
         self.table.free_row(req.row)
         req.row, req.node, req.prefix_len, req.cached_len = None, None, 0, 0
 
+    def share_prefill(self, req: Req) -> None:
+        """After a prefill step, put the request's KV so far into the prefix cache so that
+        requests arriving while it decodes can share it."""
+        slots = self.table.table[req.row, : req.cached_len]
+        m = self.cache.cache_unfinished(req.tokens(0, req.cached_len), slots, req.prefix_len, req.node)
+        if len(m.slots) > req.prefix_len:
+            self.table.table[req.row, : len(m.slots)] = m.slots
+        req.prefix_len, req.node = len(m.slots), m.node
+
     def _match_limit(self, req: Req) -> int:
         # At least one token must be computed to produce logits; prompt logprobs need
         # the hidden state of every position from logprob_start_len - 1 on.

@@ -27,6 +27,10 @@ from runtime.worker.sampler import SamplingBatch
 
 log = logging.getLogger(__name__)
 
+# A waiting request that shares this many uncached tokens with one admitted in the same
+# step waits a step instead, so that it reuses that request's prefill.
+IN_BATCH_SHARE_MIN = 32
+
 
 class RequestError(ValueError):
     """A request the scheduler cannot take (the message says why)."""
@@ -58,6 +62,7 @@ class Scheduler:
         self._arrivals = 0
         self.num_retractions = 0
         self._ended: list[TokenOutput] = []  # outputs of requests ended while scheduling
+        self._live: dict[str, Req] = {}  # every request not yet ended, by id
 
     # ---- API ---------------------------------------------------------------------------------
 
@@ -72,21 +77,24 @@ class Scheduler:
         vocab = self.worker.config.vocab_size
         if max(tr.input_ids) >= vocab or min(tr.input_ids) < 0:
             raise RequestError(f"input token ids must lie in [0, {vocab})")
+        if tr.rid in self._live:
+            raise RequestError(f"request id {tr.rid!r} is already in flight")
         tr.sampling_params.validate(vocab)
-        self.waiting.append(Req(tr, self._arrivals))
+        req = Req(tr, self._arrivals)
+        self._live[tr.rid] = req
+        self.waiting.append(req)
         self._arrivals += 1
 
     def abort(self, rid: str) -> TokenOutput | None:
         """End a request wherever it is; returns its final output, or None if it is unknown."""
-        for queue in (self.waiting, self.running):
-            for req in queue:
-                if req.rid == rid:
-                    queue.remove(req)
-                    return self._end(req, Finish(FinishKind.ABORT, "aborted"))
-        if self.chunked is not None and self.chunked.rid == rid:
-            req, self.chunked = self.chunked, None
-            return self._end(req, Finish(FinishKind.ABORT, "aborted"))
-        return None
+        req = self._live.get(rid)
+        if req is None:
+            return None
+        if req is self.chunked:
+            self.chunked = None
+        else:
+            (self.waiting if req in self.waiting else self.running).remove(req)
+        return self._end(req, Finish(FinishKind.ABORT, "aborted"))
 
     @property
     def has_work(self) -> bool:
@@ -141,9 +149,12 @@ class Scheduler:
                 self.chunked = req
             reqs.append(req)
             lens.append(n)
+        share_in_batch = self.args.schedule_policy in ("lpm", "dfs-weight") and not self.args.disable_radix_cache
         for req in order_waiting(self.args.schedule_policy, self.waiting, self.kv.match_len):
             if len(self.running) + len(reqs) >= self.args.max_running_requests or self.chunked is not None:
                 break
+            if share_in_batch and self._shares_uncached_prefix(req, reqs):
+                continue  # next step its prefix will be cached by the request it shares with
             n = self._try_admit(req, budget, first=not reqs)
             if n == 0:
                 break
@@ -153,6 +164,17 @@ class Scheduler:
         if not reqs:
             return None
         return self._extend_batch(reqs, lens)
+
+    def _shares_uncached_prefix(self, req: Req, batch: list[Req]) -> bool:
+        """Whether `req` shares at least IN_BATCH_SHARE_MIN tokens past its cached prefix with
+        a request already in this batch: prefilled together, neither would reuse the other."""
+        if not batch:
+            return False
+        end = self.kv.match_len(req)[0] + IN_BATCH_SHARE_MIN
+        if end > req.seq_len - 1:
+            return False
+        head = req.tokens(0, end)
+        return any(other.seq_len >= end and other.tokens(0, end) == head for other in batch)
 
     def _try_admit(self, req: Req, budget: Budget, first: bool) -> int:
         """Admit `req` if its whole remaining prefill and reserved decode fit; returns its extend length now."""
@@ -315,6 +337,8 @@ class Scheduler:
     def _process(self, b: ScheduledBatch, out: WorkerOutput) -> list[TokenOutput]:
         for req, n in zip(b.reqs, b.extend_lens):
             req.cached_len += n
+            if b.mode is ForwardMode.EXTEND:
+                self.kv.share_prefill(req)
         self._store_prompt_logprobs(b, out)
         for i, req in enumerate(b.sampled):
             req.output_ids.append(out.next_token_ids[i])
@@ -382,6 +406,7 @@ class Scheduler:
 
     def _end(self, req: Req, finish: Finish) -> TokenOutput:
         req.finish = finish
+        del self._live[req.rid]
         if req.row is not None:
             self.kv.release(req)
         return self._output(req)

@@ -146,7 +146,9 @@ def test_abort_releases_kv(tiny_llama):
     sched.step()
     out = sched.abort("a1")
     assert out is not None and out.finish_reason["type"] == "abort"
-    assert sched.abort("nope") is None
+    assert sched.abort("nope") is None and sched.abort("a1") is None
+    with pytest.raises(RequestError, match="already in flight"):
+        sched.add_request(TokenizedRequest("a0", [5, 6], SamplingParams()))
     while sched.has_work:
         sched.step()
     assert_drained(engine)
@@ -193,3 +195,20 @@ def test_bad_model_paths(tmp_path):
     with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM"):
         Engine(str(tmp_path), skip_tokenizer_init=True)
     assert os.path.exists(tmp_path / "config.json")
+
+
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
+def test_batch_sharing_a_prefix_prefills_it_once(tiny_llama, policy):
+    engine = tiny_llama.engine(schedule_policy=policy, page_size=4)
+    prefix = (tiny_llama.prompts[9] + tiny_llama.prompts[3])[:100]
+    assert len(prefix) == 100
+    prompts = [prefix + [7 + i, 9 + i] for i in range(6)]
+    fed = _count_fed_tokens(engine)
+    results = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 3, "temperature": 0})
+    cached = sorted(r["meta_info"]["cached_tokens"] for r in results)
+    assert cached[0] == 0 and all(c == 100 for c in cached[1:]), cached
+    assert sum(fed) == 100 + 6 * 2 + 6 * 2, "the prefix is computed once, then 2 tokens per request and 2 decodes"
+    alone = [engine.generate(input_ids=p, sampling_params={"max_new_tokens": 3, "temperature": 0})["output_ids"]
+             for p in prompts]
+    assert alone == [r["output_ids"] for r in results]
+    assert_drained(engine)

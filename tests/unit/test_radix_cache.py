@@ -63,6 +63,17 @@ class Sim:
         self.live.remove(req)
         self.cache.cache_request(req.tokens, req.slots, req.prefix_len, req.node)
 
+    def share(self, req: Req) -> None:
+        """The request keeps running but shares its KV so far (cache_unfinished)."""
+        match = self.cache.cache_unfinished(req.tokens, req.slots, req.prefix_len, req.node)
+        n = len(match.slots)
+        assert n == len(req.tokens) // self.P * self.P and n >= req.prefix_len
+        for i, slot in enumerate(match.slots.tolist()):
+            assert self.kv[slot] == tuple(req.tokens[: i + 1]), "shared head points at another prefix's KV"
+        req.slots = torch.cat([match.slots, req.slots[n:]])
+        req.prefix_len, req.node = n, match.node
+        req.owned_pages = -(-len(req.tokens) // self.P) - n // self.P
+
     def check(self) -> None:
         self.cache.check_invariants()
         owned = sum(r.owned_pages for r in self.live)
@@ -76,6 +87,8 @@ class Sim:
             tokens = base[: rng.randint(0, len(base))] + [rng.randint(0, 2) for _ in range(rng.randint(0, 3 * self.P))]
             if self.start(tokens):
                 history.append(tokens)
+        elif op < 0.65:
+            self.share(rng.choice(self.live))
         elif op < 0.85:
             self.finish(rng.choice(self.live))
         else:
@@ -199,6 +212,24 @@ def test_duplicates_and_tail_page_are_freed() -> None:
     assert alloc.num_free_pages == 11 and (cache.evictable_pages, cache.locked_pages) == (1, 2)
     sim.finish(r3)  # frees its duplicate page (never its prefix), caches the last one
     assert alloc.num_free_pages == 12 and (cache.evictable_pages, cache.locked_pages) == (4, 0)
+    sim.check()
+
+
+def test_cache_unfinished_shares_and_dedups_while_running() -> None:
+    alloc, cache = make(4, num_pages=16)
+    sim = Sim(cache)
+    tokens = list(range(10))
+    r1, r2 = sim.start(tokens), sim.start(tokens)  # both miss: 3 pages each
+    sim.share(r1)  # r1's first 2 pages go into the tree, locked by r1; its tail page stays its own
+    assert (cache.locked_pages, r1.owned_pages, alloc.num_free_pages) == (2, 1, 10)
+    assert cache.match_prefix(tokens).slots.tolist() == r1.slots[:8].tolist()
+    sim.share(r2)  # r2's copies of those 2 pages are duplicates: freed; r2 now reads r1's
+    assert alloc.num_free_pages == 12 and r2.slots[:8].tolist() == r1.slots[:8].tolist()
+    sim.check()
+    sim.finish(r1)
+    assert cache.locked_pages == 2  # r2 still holds the shared head
+    sim.finish(r2)
+    assert (cache.locked_pages, cache.evictable_pages, alloc.num_free_pages) == (0, 2, 14)
     sim.check()
 
 
