@@ -47,6 +47,10 @@ class TinyModel:
         self.hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.prompts = random_prompts(TINY_VOCAB, 12, seed=7)
         self.refs = hf_greedy(self.hf, self.prompts, NEW_TOKENS)
+        # all share one 64-token prefix: decode batches take the shared-prefix (cascade) path
+        self.shared_prompts = random_prompts(TINY_VOCAB, 8, seed=11, min_len=2, max_len=30, shared_prefix=64)
+        self.shared_prompts = [self.shared_prompts[-1][:64] + p[-5:] for p in self.shared_prompts]
+        self.shared_refs = hf_greedy(self.hf, self.shared_prompts, NEW_TOKENS)
         self._model = None
 
     def engine(self, **kwargs):

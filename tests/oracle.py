@@ -27,6 +27,9 @@ class Reference:
     top2: list[tuple[int, int]]  # the reference's two best token ids per step
     gaps: list[float]  # top-1 minus top-2 logit per step
 
+    def truncated(self, n: int) -> Reference:
+        return Reference(self.prompt, self.tokens[:n], self.top2[:n], self.gaps[:n])
+
 
 @torch.inference_mode()
 def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[Reference]:

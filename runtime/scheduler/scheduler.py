@@ -150,7 +150,9 @@ class Scheduler:
             reqs.append(req)
             lens.append(n)
         share_in_batch = self.args.schedule_policy in ("lpm", "dfs-weight") and not self.args.disable_radix_cache
-        for req in order_waiting(self.args.schedule_policy, self.waiting, self.kv.match_len):
+        room = self.args.max_running_requests - len(self.running) - len(reqs)
+        candidates = order_waiting(self.args.schedule_policy, self.waiting, self.kv.match_len) if room > 0 else []
+        for req in candidates:
             if len(self.running) + len(reqs) >= self.args.max_running_requests or self.chunked is not None:
                 break
             if share_in_batch and self._shares_uncached_prefix(req, reqs):

@@ -10,6 +10,7 @@ import torch
 
 from conftest import TINY_VOCAB
 from helpers import assert_drained
+from oracle import assert_matches
 from runtime.messages import TokenizedRequest
 from runtime.sampling_params import SamplingParams, SamplingParamsError
 from runtime.scheduler.scheduler import RequestError
@@ -211,4 +212,21 @@ def test_batch_sharing_a_prefix_prefills_it_once(tiny_llama, policy):
     alone = [engine.generate(input_ids=p, sampling_params={"max_new_tokens": 3, "temperature": 0})["output_ids"]
              for p in prompts]
     assert alone == [r["output_ids"] for r in results]
+    assert_drained(engine)
+
+
+def test_max_running_requests_caps_the_batch(tiny_llama):
+    engine = tiny_llama.engine(max_running_requests=2)
+    sched = engine.scheduler
+    for i, p in enumerate(tiny_llama.prompts[:6]):
+        sched.add_request(TokenizedRequest(f"m{i}", p, SamplingParams(max_new_tokens=8, temperature=0)))
+    outputs: dict[str, list[int]] = {}
+    peak = 0
+    while sched.has_work:
+        for out in sched.step():
+            outputs.setdefault(out.rid, []).extend(out.new_token_ids)
+        peak = max(peak, len(sched.running) + (sched.chunked is not None))
+    assert peak == 2
+    for i, ref in enumerate(tiny_llama.refs[:6]):
+        assert_matches(outputs[f"m{i}"], ref.truncated(8), f"max-running prompt {i}")
     assert_drained(engine)

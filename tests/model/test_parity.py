@@ -17,6 +17,15 @@ def test_tiny_models_match_hf(tiny):
     assert_drained(engine)
 
 
+def test_tiny_models_match_hf_on_a_shared_prefix_batch(tiny):
+    engine = tiny.engine(page_size=16)
+    results = engine.generate(input_ids=tiny.shared_prompts, sampling_params=GREEDY)
+    assert sum(r["meta_info"]["cached_tokens"] for r in results) >= 7 * 64
+    for i, (res, ref) in enumerate(zip(results, tiny.shared_refs)):
+        assert_matches(res["output_ids"], ref, f"{tiny.kind} shared-prefix prompt {i}")
+    assert_drained(engine)
+
+
 def test_smollm2_matches_hf(smol):
     results = smol.engine.generate(input_ids=smol.prompts, sampling_params=GREEDY)
     exact = [assert_matches(r["output_ids"], ref, f"smollm2 prompt {i}")
