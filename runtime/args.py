@@ -14,6 +14,7 @@ ATTENTION_BACKENDS = ("torch", "triton")
 @dataclass
 class ServerArgs:
     model_path: str | None = field(default=None, metadata={"help": "HF checkpoint directory or .gguf file (default: embedded SmolLM2-135M-Instruct)"})
+    served_model_name: str | None = field(default=None, metadata={"help": "the model name the OpenAI API reports and accepts (default: the file or directory name)"})
     tokenizer_path: str | None = field(default=None, metadata={"help": "tokenizer directory if it differs from the model's"})
     dtype: str = field(default="auto", metadata={"help": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})

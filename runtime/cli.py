@@ -20,9 +20,17 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     ServerArgs.add_cli_args(gen)
+    srv = sub.add_parser("serve", help="serve the model over HTTP (SGLang-native and OpenAI APIs)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=30000)
+    ServerArgs.add_cli_args(srv)
     ns = parser.parse_args(argv)
     if ns.command == "generate":
         return _generate(ns)
+    if ns.command == "serve":
+        from runtime.server.launch_server import serve
+
+        return serve(ServerArgs.from_cli_args(ns), ns.host, ns.port)
     return 2
 
 

@@ -1,7 +1,7 @@
-"""Messages between the runtime's parts, grouped by who receives them.
+"""Messages between the runtime's parts, grouped by the process that receives them.
 
-Plain dataclasses of plain values, so that they can cross a socket as orjson
-(never pickle) once the parts live in separate processes.
+Plain dataclasses of plain values: `runtime.ipc` sends them as orjson (never
+pickle), tagged with their class name.
 """
 
 from __future__ import annotations
@@ -11,7 +11,64 @@ from typing import Any
 
 from runtime.sampling_params import SamplingParams
 
-# ---- to the scheduler --------------------------------------------------------------------------
+# ---- to the tokenizer process (from clients) ---------------------------------------------------
+
+
+@dataclass
+class GenerateRequest:
+    """One prompt from a client. Exactly one of text, input_ids, messages (chat) is set;
+    batches and n > 1 are expanded by the client into one request each."""
+
+    rid: str
+    text: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None  # applied with the model's chat template
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False  # logprob entries become [logprob, id, text]
+    stream: bool = False
+
+
+@dataclass
+class AbortRequest:
+    rid: str
+
+
+@dataclass
+class ControlRequest:
+    """Server-wide operations: flush_cache, server_info, model_info."""
+
+    rid: str
+    op: str
+
+
+# ---- to clients (from the tokenizer process) ---------------------------------------------------
+
+
+@dataclass
+class ClientOutput:
+    """Progress of one request: the text and token ids since the last output.
+
+    `error` is set (with an HTTP-like `status`) when the request was refused."""
+
+    rid: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    meta_info: dict[str, Any] = field(default_factory=dict)
+    finished: bool = False
+    error: str | None = None
+    status: int = 200
+
+
+@dataclass
+class ControlOutput:
+    rid: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- to the scheduler process (from the tokenizer process) -------------------------------------
 
 
 @dataclass
@@ -24,12 +81,9 @@ class TokenizedRequest:
     top_logprobs_num: int = 0
 
 
-@dataclass
-class AbortRequest:
-    rid: str
+# AbortRequest and ControlRequest travel on to the scheduler unchanged.
 
-
-# ---- from the scheduler ------------------------------------------------------------------------
+# ---- to the tokenizer process (from the scheduler process) -------------------------------------
 
 
 @dataclass
@@ -51,3 +105,10 @@ class TokenOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class BatchTokenOutput:
+    """Every request's progress from one scheduler step, in one message."""
+
+    outputs: list[TokenOutput]

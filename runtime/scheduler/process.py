@@ -1,0 +1,109 @@
+"""The scheduler process: receive requests, step the scheduler, send token outputs."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from multiprocessing.connection import Connection
+
+import zmq
+
+from runtime import ipc
+from runtime.args import ServerArgs
+from runtime.messages import AbortRequest, BatchTokenOutput, ControlOutput, ControlRequest, TokenizedRequest, TokenOutput
+from runtime.sampling_params import SamplingParamsError
+from runtime.scheduler.scheduler import RequestError, Scheduler
+
+log = logging.getLogger("radixlm.scheduler")
+
+
+class SchedulerProcess:
+    def __init__(self, args: ServerArgs, recv_from: str, send_to: str) -> None:
+        from runtime.tokenizer.loader import load_tokenizer
+        from runtime.worker.loader import resolve_model
+        from runtime.worker.model_worker import ModelWorker
+
+        source = resolve_model(args.model_path)
+        tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source, args.tokenizer_path)
+        decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else None
+        self.worker = ModelWorker(args, source)
+        self.scheduler = Scheduler(args, self.worker, decode=decode)
+        self.ctx = zmq.Context()
+        self.inbox = ipc.socket(self.ctx, zmq.PULL, recv_from, bind=False)
+        self.outbox = ipc.socket(self.ctx, zmq.PUSH, send_to, bind=False)
+
+    def run_forever(self) -> None:
+        while True:
+            self._receive(block=not self.scheduler.has_work)
+            if self.scheduler.has_work:
+                self._send(self.scheduler.step())
+
+    def _receive(self, block: bool) -> None:
+        if block:
+            self.inbox.poll()
+        while self.inbox.poll(0):
+            self._handle(ipc.decode(self.inbox.recv()))
+
+    def _handle(self, msg: object) -> None:
+        if isinstance(msg, TokenizedRequest):
+            try:
+                self.scheduler.add_request(msg)
+            except (RequestError, SamplingParamsError) as e:
+                self._send([_refused(msg, str(e))])
+        elif isinstance(msg, AbortRequest):
+            out = self.scheduler.abort(msg.rid)
+            if out is not None:
+                self._send([out])
+        elif isinstance(msg, ControlRequest):
+            self.outbox.send(ipc.encode(ControlOutput(msg.rid, self._control(msg.op))))
+
+    def _control(self, op: str) -> dict:
+        if op == "flush_cache":
+            return {"success": self.scheduler.flush_cache()}
+        if op == "server_info":
+            s = self.scheduler
+            return {
+                "running_requests": len(s.running), "waiting_requests": len(s.waiting),
+                "kv_pool_tokens": s.kv.num_pages * s.kv.page_size, "page_size": s.kv.page_size,
+                "free_pages": s.kv.allocator.num_free_pages, "cached_pages": s.kv.cache.evictable_pages
+                + s.kv.cache.locked_pages, "num_retractions": s.num_retractions,
+                "context_length": s.context_length,
+            }
+        if op == "check_accounting":
+            try:
+                self.scheduler.check_accounting()
+            except AssertionError as e:
+                return {"ok": False, "error": str(e)}
+            kv = self.scheduler.kv
+            return {"ok": True, "idle": not self.scheduler.has_work, "locked_pages": kv.cache.locked_pages,
+                    "free_pages": kv.allocator.num_free_pages, "evictable_pages": kv.cache.evictable_pages,
+                    "pool_pages": kv.num_pages}
+        return {"error": f"unknown control op {op!r}"}
+
+    def _send(self, outputs: list[TokenOutput]) -> None:
+        if outputs:
+            self.outbox.send(ipc.encode(BatchTokenOutput(outputs)))
+
+
+def _refused(req: TokenizedRequest, message: str) -> TokenOutput:
+    return TokenOutput(req.rid, [], len(req.input_ids), 0, 0, finish_reason={"type": "abort", "message": message,
+                                                                               "status": 400})
+
+
+def run_scheduler_process(args: ServerArgs, recv_from: str, send_to: str, ready: Connection) -> None:
+    """Entry point of the scheduler process: report readiness (or the start-up error) on `ready`."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    ipc.die_with_parent()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        proc = SchedulerProcess(args, recv_from, send_to)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which exits with it
+        log.exception("scheduler failed to start")
+        ready.send({"error": f"{type(e).__name__}: {e}"})
+        return
+    w = proc.worker
+    ready.send({"ok": True, "context_length": w.context_length, "vocab_size": w.config.vocab_size,
+                "max_total_tokens": w.num_pages * w.page_size, "page_size": w.page_size,
+                "architecture": w.config.architecture, "dtype": str(w.dtype).removeprefix("torch."),
+                "device": str(w.device)})
+    proc.run_forever()

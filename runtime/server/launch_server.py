@@ -1,0 +1,63 @@
+"""`radixlm serve`: the process group plus the HTTP server, with a watchdog and clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+import threading
+import time
+
+import uvicorn
+
+from runtime.args import ServerArgs
+from runtime.client import RuntimeClient
+from runtime.launch import launch_processes
+from runtime.worker.loader import resolve_model
+from runtime.server.http_server import ServerState, create_app
+
+log = logging.getLogger("radixlm.server")
+
+
+def serve(args: ServerArgs, host: str = "127.0.0.1", port: int = 30000) -> int:
+    """Run until SIGINT/SIGTERM (exit 0) or until a runtime process dies (exit 1)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    group = launch_processes(args)
+    try:
+        model_name = args.served_model_name or resolve_model(args.model_path).name
+        state = ServerState(RuntimeClient(group.client_address), group.info, dataclasses.asdict(args), model_name)
+        app = create_app(state)
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3)
+        server = uvicorn.Server(config)
+
+        def watchdog() -> None:
+            announced = False
+            while not server.should_exit:
+                if server.started and not announced:
+                    announced = True
+                    print(f"radixlm ready on http://{host}:{port} ({group.info.get('architecture')}, "
+                          f"{group.info.get('max_total_tokens')} KV tokens)", flush=True)
+                dead = group.dead_process()
+                if dead:
+                    log.error("runtime process died: %s; shutting down", dead)
+                    state.dead = dead
+                    server.should_exit = True
+                    return
+                time.sleep(0.2)
+
+        threading.Thread(target=watchdog, name="radixlm-watchdog", daemon=True).start()
+        # uvicorn re-raises the signal that stopped it; turn that into a normal exit so the
+        # children are stopped below
+        signal.signal(signal.SIGTERM, _exit_quietly)
+        try:
+            asyncio.run(server.serve())
+        except KeyboardInterrupt:
+            pass
+        return 1 if state.dead else 0
+    finally:
+        group.shutdown()
+
+
+def _exit_quietly(signum: int, frame: object) -> None:
+    raise SystemExit(0)

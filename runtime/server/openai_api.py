@@ -1,0 +1,144 @@
+"""The OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions.
+
+Each request is validated with the models in openai_protocol.py, turned into
+the native /generate body, run through the same path as /generate, and
+answered in OpenAI's shapes (whole objects or SSE chunks).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from runtime.messages import GenerateRequest
+from runtime.server import openai_protocol as oa
+from runtime.server.http_server import (
+    HTTPError, ServerState, gather_outputs, json_body, merge_streams, native_requests, native_result,
+    run_until_done, sse, sse_response,
+)
+
+
+def add_openai_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.started,
+                                            "owned_by": "radixlm", "max_model_len": state.info.get("context_length")}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = _parse(oa.CompletionRequest, await json_body(request))
+        _check_model(state, req.model)
+        body = oa.completion_to_generate(req)
+        body["return_text_in_logprobs"] = req.logprobs is not None
+        if req.echo and not isinstance(body.get("text"), (str, list)):
+            raise HTTPError("echo is supported for text prompts only")
+        echo = _echo_prompts(req) if req.echo else None
+        return await _run(request, state, body, req, chat=False, build=lambda results, rid: oa.completion_response(
+            results, state.model_name, rid, echo, req.logprobs, _decoder(results), n=req.n))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = _parse(oa.ChatCompletionRequest, await json_body(request))
+        _check_model(state, req.model)
+        try:
+            messages = oa.chat_messages(req)
+        except ValueError as e:
+            raise HTTPError(str(e)) from None
+        body = oa.chat_to_generate(req, prompt_text="")
+        del body["text"]  # the tokenizer process renders the messages with the model's template
+        body["messages"] = messages
+        body["return_text_in_logprobs"] = bool(req.logprobs)
+        return await _run(request, state, body, req, chat=True, build=lambda results, rid: oa.chat_response(
+            results, state.model_name, rid, bool(req.logprobs), req.top_logprobs or 0, _decoder(results)))
+
+
+async def _run(request: Request, state: ServerState, body: dict[str, Any], req: Any, chat: bool,
+               build: Callable[[list[dict[str, Any]], str], dict[str, Any]]) -> Response:
+    """Run a converted request: stream chunks, or wait for every result and `build` the answer."""
+    reqs, _ = native_requests(body)
+    rid = oa.new_request_id()
+    if req.stream:
+        return await sse_response(_stream(state, reqs, req, rid, chat))
+    outs = await run_until_done(request, gather_outputs(state.client, reqs))
+    results = [native_result(o) for o in outs]
+    try:
+        return JSONResponse(build(results, rid))
+    except oa.RequestAborted as e:
+        raise HTTPError(f"the request was aborted: {e}", 500) from None
+
+
+def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise HTTPError(f"{where}: {first['msg']}" if where else first["msg"]) from None
+
+
+def _check_model(state: ServerState, name: str | None) -> None:
+    if name not in (None, "", "default", state.model_name):
+        raise HTTPError(f"model {name!r} does not exist; this server serves {state.model_name!r}", 404)
+
+
+def _echo_prompts(req: oa.CompletionRequest) -> list[str]:
+    return [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+
+
+def _decoder(results: list[dict[str, Any]]) -> Callable[[int], str]:
+    """Token id -> text, from the texts the tokenizer process put into the logprob entries."""
+    texts: dict[int, str] = {}
+
+    def collect(entries: Any) -> None:
+        for e in entries or ():
+            if e is None:
+                continue
+            if e and isinstance(e[0], list):
+                collect(e)
+            elif len(e) >= 3:
+                texts[e[1]] = e[2]
+
+    for r in results:
+        meta = r["meta_info"]
+        for key in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs"):
+            collect(meta.get(key))
+    return lambda token_id: texts.get(token_id, "")
+
+
+async def _stream(state: ServerState, reqs: list[GenerateRequest], req: Any, rid: str, chat: bool) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    model = state.model_name
+    finals: dict[int, dict[str, Any]] = {}
+    started: set[int] = set()
+    async for index, out in merge_streams(state.client, reqs):
+        result = native_result(out)
+        try:
+            finish = oa.openai_finish_reason(out.meta_info.get("finish_reason")) if out.finished else None
+        except oa.RequestAborted as e:
+            raise HTTPError(f"the request was aborted: {e}", 500) from None
+        if out.finished:
+            finals[index] = result
+        yield sse(_chunk(result, req, rid, model, created, index, finish, chat, first=index not in started))
+        started.add(index)
+    if req.include_usage:
+        ordered = [finals[i] for i in sorted(finals)]
+        yield sse(oa.usage_chunk(rid, model, created, oa.aggregate_usage(ordered, req.n), chat=chat))
+    yield b"data: [DONE]\n\n"
+
+
+def _chunk(result: dict[str, Any], req: Any, rid: str, model: str, created: int, index: int,
+           finish: str | None, chat: bool, first: bool) -> dict[str, Any]:
+    decode = _decoder([result])
+    if chat:
+        delta = {"role": "assistant", "content": result["text"]} if first else {"content": result["text"]}
+        lp = oa.chat_logprobs(result["meta_info"], req.top_logprobs or 0, decode) if req.logprobs else None
+        return oa.chat_chunk(rid, model, created, index, delta, finish, lp)
+    lp = oa.completion_logprobs(result["meta_info"], decode) if req.logprobs is not None else None
+    return oa.completion_chunk(rid, model, created, index, result["text"], finish, lp)
+
+
+

@@ -1,0 +1,542 @@
+"""The OpenAI-compatible API's wire format, and its mapping to native calls.
+
+Three parts, all free of I/O so the HTTP layer stays thin:
+
+* request models (``CompletionRequest``, ``ChatCompletionRequest``) that parse
+  and range-check what an OpenAI client sends;
+* converters (``completion_to_generate``, ``chat_to_generate``,
+  ``chat_messages``) into the native ``/generate`` body;
+* builders that turn native results back into OpenAI JSON, whole
+  (``completion_response``, ``chat_response``) or streamed
+  (``completion_chunk``, ``chat_chunk``, ``usage_chunk``), plus
+  ``openai_error``.
+
+Native results are prompt-major: with ``p`` prompts and ``n`` choices each,
+choice ``j`` of prompt ``i`` is ``results[i * n + j]``.
+
+Aborted results have no OpenAI finish reason ("abort" is not in the spec and
+"stop" would hide a server error), so the builders raise ``RequestAborted``
+and the caller answers with an ``openai_error`` instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from typing import Annotated, Any, Callable, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+
+MAX_N = 16  # choices per prompt; each one is a full sequence in the batch
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
+MAX_CHAT_TOP_LOGPROBS = 20  # the chat API's limit
+# OpenAI's stand-in for a logprob too small to print; JSON has no -Infinity.
+MIN_LOGPROB = -9999.0
+
+TokenId = Annotated[StrictInt, Field(ge=0)]
+Decode = Callable[[int], str]
+
+
+class RequestAborted(RuntimeError):
+    """A native result finished with ``{"type": "abort"}``; carries its message."""
+
+
+# ---------------------------------------------------------------- requests
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class _OpenAIRequest(BaseModel):
+    """Shared parsing rules of both endpoints.
+
+    Unknown fields are kept in ``model_extra`` and ignored: OpenAI clients
+    send fields we do not implement, and refusing them breaks those clients.
+    JSON ``null`` means "use the default" except for the fields in
+    ``_null_is_meaningful``.
+    """
+
+    model_config = ConfigDict(extra="allow")
+    _null_is_meaningful: ClassVar[frozenset[str]] = frozenset()
+
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # SGLang extensions, passed through as-is; SamplingParams checks their ranges.
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: StrictInt | None = None
+    ignore_eos: bool | None = None
+    regex: str | None = None
+    skip_special_tokens: bool | None = None
+    stop_token_ids: list[TokenId] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k in cls._null_is_meaningful}
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias keys must be token ids (digit strings), got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias[{key}]={value} is out of range; allowed: [-100, 100]")
+        return bias
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_OpenAIRequest):
+    """Body of ``POST /v1/completions``."""
+
+    # An explicit null asks for "as many as fit", unlike an absent field (16).
+    _null_is_meaningful: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
+
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and (not prompt or any(p == [] for p in prompt)):
+            raise ValueError("prompt must be non-empty: got an empty list of prompts or of token ids")
+        return prompt
+
+    @field_validator("suffix")
+    @classmethod
+    def _reject_suffix(cls, suffix: str | None) -> None:
+        if suffix is not None:
+            raise ValueError("suffix is not supported (no fill-in-the-middle); omit it")
+
+    @field_validator("best_of")
+    @classmethod
+    def _reject_best_of(cls, best_of: int | None) -> int | None:
+        if best_of is not None and best_of != 1:
+            raise ValueError(f"best_of={best_of} is not supported; allowed: 1 (use n for several choices)")
+        return best_of
+
+    @property
+    def num_prompts(self) -> int:
+        """How many prompts the request holds; results number ``num_prompts * n``."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return 1
+        return len(p)
+
+
+class TextPart(BaseModel):
+    """One part of a message's content; only ``type == "text"`` is supported."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str
+    # `schema` would shadow a BaseModel attribute, hence the alias.
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('response_format type "json_schema" needs a json_schema object')
+        return self
+
+
+class ChatCompletionRequest(_OpenAIRequest):
+    """Body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
+    @property
+    def output_limit(self) -> int | None:
+        """``max_completion_tokens`` (the current name) wins over the deprecated ``max_tokens``."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+# -------------------------------------------------------------- conversions
+
+
+def completion_to_generate(req: CompletionRequest) -> dict[str, Any]:
+    """The native ``/generate`` body for a completions request.
+
+    ``sampling_params["max_new_tokens"]`` is ``None`` when the client asked
+    for no limit: the caller must replace it with the room left in the
+    context window, because ``SamplingParams.from_dict`` would read ``None``
+    as its own default.
+    """
+    key = "text" if isinstance(req.prompt, str) or isinstance(req.prompt[0], str) else "input_ids"
+    body: dict[str, Any] = {key: req.prompt, "sampling_params": _sampling_params(req, req.max_tokens)}
+    body["stream"] = req.stream
+    if req.logprobs is not None:
+        body["return_logprob"] = True
+        body["top_logprobs_num"] = req.logprobs
+        if req.echo:
+            body["logprob_start_len"] = 0  # echoed prompt tokens get logprobs too
+    return body
+
+
+def chat_to_generate(req: ChatCompletionRequest, prompt_text: str) -> dict[str, Any]:
+    """The native body for a chat request whose messages rendered to ``prompt_text``.
+
+    The same ``max_new_tokens=None`` caveat as ``completion_to_generate`` holds.
+    """
+    params = _sampling_params(req, req.output_limit)
+    schema = _response_schema(req.response_format)
+    if schema is not None:
+        params["json_schema"] = schema
+    body: dict[str, Any] = {"text": prompt_text, "sampling_params": params, "stream": req.stream}
+    if req.logprobs:
+        body["return_logprob"] = True
+        body["top_logprobs_num"] = req.top_logprobs or 0
+    return body
+
+
+# Chat templates predate OpenAI's "developer" role, which means "system".
+_TEMPLATE_ROLE = {"developer": "system"}
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as a chat template expects them: role and plain-text content.
+
+    Text parts are joined with newlines; ``developer`` becomes ``system``
+    since templates predate it. Raises ``ValueError`` naming any non-text
+    part, which this text-only runtime cannot feed to the model.
+    """
+    out = []
+    for i, msg in enumerate(req.messages):
+        entry: dict[str, Any] = {
+            "role": _TEMPLATE_ROLE.get(msg.role, msg.role),
+            "content": _message_text(i, msg.content),
+        }
+        if msg.name is not None:
+            entry["name"] = msg.name
+        out.append(entry)
+    return out
+
+
+def _message_text(index: int, content: str | list[TextPart] | None) -> str:
+    if content is None:  # an assistant turn that only called tools
+        return ""
+    if isinstance(content, str):
+        return content
+    unsupported = sorted({p.type for p in content if p.type != "text"})
+    if unsupported:
+        raise ValueError(
+            f"messages[{index}].content has unsupported part type(s) {', '.join(unsupported)}; "
+            'only "text" parts are supported'
+        )
+    return "\n".join(p.text or "" for p in content)
+
+
+def _sampling_params(req: _OpenAIRequest, max_new_tokens: int | None) -> dict[str, Any]:
+    params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "n": req.n}
+    passed = {
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "seed": req.seed,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "repetition_penalty": req.repetition_penalty,
+        "min_new_tokens": req.min_tokens,
+        "ignore_eos": req.ignore_eos,
+        "regex": req.regex,
+        "skip_special_tokens": req.skip_special_tokens,
+        "stop_token_ids": req.stop_token_ids,
+    }
+    # Absent fields stay absent so the engine's defaults apply.
+    params.update({k: v for k, v in passed.items() if v is not None})
+    if req.stop is not None:
+        params["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if req.logit_bias:
+        params["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+    return params
+
+
+def _response_schema(fmt: ResponseFormat | None) -> str | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return json.dumps({"type": "object"})
+    # A json_schema without a schema body still promises JSON: any object.
+    return json.dumps(fmt.json_schema.schema_ or {"type": "object"})
+
+
+# -------------------------------------------------------- response builders
+
+
+def new_request_id() -> str:
+    """A fresh id; builders prefix it with ``cmpl-`` or ``chatcmpl-``."""
+    return uuid.uuid4().hex
+
+
+def openai_finish_reason(native: dict[str, Any] | None) -> str | None:
+    """OpenAI's finish reason for a native ``meta_info["finish_reason"]``.
+
+    ``None`` (still running) stays ``None``; an abort raises ``RequestAborted``.
+    """
+    if native is None:
+        return None
+    kind = native.get("type")
+    if kind == "abort":
+        raise RequestAborted(native.get("message") or "request aborted")
+    if kind in ("stop", "length"):
+        return kind
+    raise AssertionError(f"unknown native finish reason {native!r}")
+
+
+def aggregate_usage(results: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """Usage over prompt-major results with ``n`` choices per prompt.
+
+    The ``n`` choices share one prompt, so prompt and cached tokens come from
+    each prompt's first choice; its siblings would double-count it (and
+    report it as cached, having hit the first one's prefix).
+    """
+    assert n >= 1 and len(results) % n == 0, (len(results), n)
+    metas = [r["meta_info"] for r in results]
+    firsts = metas[::n]
+    prompt = sum(m["prompt_tokens"] for m in firsts)
+    completion = sum(m["completion_tokens"] for m in metas)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(m.get("cached_tokens", 0) for m in firsts)},
+    }
+
+
+def completion_response(
+    results: list[dict[str, Any]],
+    model: str,
+    request_id: str,
+    echo_prompts: list[str] | None,
+    logprobs: int | None,
+    tokenizer_decode: Decode,
+    *,
+    n: int,
+) -> dict[str, Any]:
+    """A whole ``text_completion`` object from finished native results.
+
+    ``echo_prompts`` holds the prompt text per prompt when the client set
+    ``echo``; echoed text (and, with ``logprobs``, its token logprobs, which
+    need ``logprob_start_len=0``) precedes each choice's output.
+    """
+    choices = []
+    for index, result in enumerate(results):
+        prefix = "" if echo_prompts is None else echo_prompts[index // n]
+        meta = result["meta_info"]
+        lp = None
+        if logprobs is not None:
+            lp = completion_logprobs(meta, tokenizer_decode, echo=echo_prompts is not None)
+        choices.append({
+            "index": index,
+            "text": prefix + result["text"],
+            "logprobs": lp,
+            "finish_reason": openai_finish_reason(meta["finish_reason"]),
+        })
+    return {
+        "id": f"cmpl-{request_id}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": aggregate_usage(results, n),
+    }
+
+
+def chat_response(
+    results: list[dict[str, Any]],
+    model: str,
+    request_id: str,
+    logprobs: bool,
+    top_logprobs: int,
+    tokenizer_decode: Decode,
+) -> dict[str, Any]:
+    """A whole ``chat.completion`` object; ``results`` are the choices of one prompt."""
+    choices = []
+    for index, result in enumerate(results):
+        meta = result["meta_info"]
+        choices.append({
+            "index": index,
+            "message": {"role": "assistant", "content": result["text"]},
+            "logprobs": chat_logprobs(meta, top_logprobs, tokenizer_decode) if logprobs else None,
+            "finish_reason": openai_finish_reason(meta["finish_reason"]),
+        })
+    return {
+        "id": f"chatcmpl-{request_id}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": aggregate_usage(results, len(results)),
+    }
+
+
+def completion_logprobs(
+    meta: dict[str, Any], decode: Decode, *, echo: bool = False, text_offset: int = 0
+) -> dict[str, Any]:
+    """The completions ``logprobs`` object for one (possibly partial) result.
+
+    ``text_offset`` indexes each token within the choice's ``text`` (echoed
+    prompt included); a stream passes the length sent so far. Offsets sum
+    decoded token lengths, so they drift where a token alone decodes
+    differently than in context. With ``echo`` the first prompt token has no
+    logprob and no alternatives: ``null``, as OpenAI sends it.
+    """
+    pairs = list(meta.get("output_token_logprobs") or [])
+    tops = list(meta.get("output_top_logprobs") or [None] * len(pairs))
+    if echo:
+        prompt_pairs = meta.get("input_token_logprobs") or []
+        pairs = prompt_pairs + pairs
+        tops = list(meta.get("input_top_logprobs") or [None] * len(prompt_pairs)) + tops
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for (logprob, token_id, *_), top in zip(pairs, tops):
+        token = decode(token_id)
+        tokens.append(token)
+        offsets.append(text_offset)
+        text_offset += len(token)
+        token_logprobs.append(None if logprob is None else _finite(logprob))
+        top_logprobs.append(None if logprob is None else _top_dict(top, decode))
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def chat_logprobs(meta: dict[str, Any], top_logprobs: int, decode: Decode) -> dict[str, Any]:
+    """The chat ``logprobs`` object (``{"content": [...]}``) for one result."""
+    pairs = meta.get("output_token_logprobs") or []
+    tops = meta.get("output_top_logprobs") or [None] * len(pairs)
+    content = []
+    for (logprob, token_id, *_), top in zip(pairs, tops):
+        entry = _chat_token(logprob, token_id, decode)
+        entry["top_logprobs"] = [_chat_token(lp, tid, decode) for lp, tid, *_ in (top or [])[:top_logprobs]]
+        content.append(entry)
+    return {"content": content}
+
+
+def _chat_token(logprob: float, token_id: int, decode: Decode) -> dict[str, Any]:
+    token = decode(token_id)
+    # NOTE: a token holding part of a UTF-8 character decodes to U+FFFD, so
+    # its bytes are those of U+FFFD, not the token's raw bytes.
+    return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
+
+
+def _top_dict(top: list[list[Any]] | None, decode: Decode) -> dict[str, float]:
+    # Distinct ids may decode alike (byte fallbacks); the most likely one wins.
+    out: dict[str, float] = {}
+    for logprob, token_id, *_ in top or []:
+        out.setdefault(decode(token_id), _finite(logprob))
+    return out
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+# -------------------------------------------------------------- streaming
+
+
+def completion_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One streamed completions event; ``finish_reason`` is already OpenAI's."""
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return _chunk(f"cmpl-{request_id}", "text_completion", model, created, [choice])
+
+
+def chat_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    index: int,
+    delta: dict[str, Any],
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One streamed chat event; the first ``delta`` of a choice carries ``role``."""
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return _chunk(f"chatcmpl-{request_id}", "chat.completion.chunk", model, created, [choice])
+
+
+def usage_chunk(
+    request_id: str, model: str, created: int, usage: dict[str, Any], *, chat: bool
+) -> dict[str, Any]:
+    """The last event of a stream with ``include_usage``: no choices, only usage."""
+    if chat:
+        chunk = _chunk(f"chatcmpl-{request_id}", "chat.completion.chunk", model, created, [])
+    else:
+        chunk = _chunk(f"cmpl-{request_id}", "text_completion", model, created, [])
+    chunk["usage"] = usage
+    return chunk
+
+
+def _chunk(id_: str, object_: str, model: str, created: int, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"id": id_, "object": object_, "created": created, "model": model, "choices": choices}
+
+
+def openai_error(
+    message: str, type_: str = "invalid_request_error", param: str | None = None, code: int = 400
+) -> dict[str, Any]:
+    """An OpenAI error body; ``code`` mirrors the HTTP status the caller sends."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

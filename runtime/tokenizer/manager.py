@@ -1,0 +1,248 @@
+"""The tokenizer process: the hub that clients talk to.
+
+Clients (the HTTP server, the Engine, the DSL) send `GenerateRequest`s on one
+ROUTER socket. This process applies chat templates, tokenizes, validates,
+forwards `TokenizedRequest`s to the scheduler, and turns the scheduler's token
+outputs back into text incrementally, routed to the client that asked.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import zmq
+
+from runtime import ipc
+from runtime.args import ServerArgs
+from runtime.messages import (
+    AbortRequest, BatchTokenOutput, ClientOutput, ControlOutput, ControlRequest, GenerateRequest,
+    TokenizedRequest, TokenOutput,
+)
+from runtime.sampling_params import SamplingParams, SamplingParamsError
+from runtime.tokenizer.detokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("radixlm.tokenizer")
+
+
+class BadRequest(ValueError):
+    pass
+
+
+@dataclass
+class _InFlight:
+    client: bytes  # ROUTER identity of the client that asked
+    req: GenerateRequest
+    prompt_ids: list[int]
+    detok: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)  # all output ids so far
+    text: str = ""  # all output text so far
+    sent_tokens: int = 0
+    sent_text: int = 0
+    logprobs: list[list[Any]] = field(default_factory=list)
+    top_logprobs: list[Any] = field(default_factory=list)
+    input_logprobs: list[list[Any]] | None = None
+    input_top_logprobs: list[Any] | None = None
+
+
+class TokenizerManager:
+    def __init__(self, args: ServerArgs, client_addr: str, to_scheduler: str, from_scheduler: str) -> None:
+        from runtime.tokenizer.loader import load_tokenizer
+        from runtime.worker.loader import load_config, resolve_model
+
+        self.args = args
+        source = resolve_model(args.model_path)
+        config = load_config(source)
+        self.vocab_size = config.vocab_size
+        self.context_length = min(config.context_length, args.context_length or 1 << 62)
+        self.model_name = source.name
+        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source, args.tokenizer_path)
+        self.ctx = zmq.Context()
+        self.clients = ipc.socket(self.ctx, zmq.ROUTER, client_addr, bind=True)
+        self.to_scheduler = ipc.socket(self.ctx, zmq.PUSH, to_scheduler, bind=True)
+        self.from_scheduler = ipc.socket(self.ctx, zmq.PULL, from_scheduler, bind=True)
+        self.in_flight: dict[str, _InFlight] = {}
+        self.pending_control: dict[str, bytes] = {}
+
+    def run_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.clients, zmq.POLLIN)
+        poller.register(self.from_scheduler, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll())
+            if self.from_scheduler in ready:
+                self._from_scheduler(ipc.decode(self.from_scheduler.recv()))
+            if self.clients in ready:
+                client, raw = self.clients.recv_multipart()
+                self._from_client(client, raw)
+
+    # ---- clients -----------------------------------------------------------------------------
+
+    def _from_client(self, client: bytes, raw: bytes) -> None:
+        try:
+            msg = ipc.decode(raw)
+        except Exception as e:  # noqa: BLE001 - a malformed message must not stop the hub
+            log.warning("undecodable client message: %s", e)
+            return
+        if isinstance(msg, GenerateRequest):
+            self._admit(client, msg)
+        elif isinstance(msg, AbortRequest):
+            if msg.rid in self.in_flight:
+                self.to_scheduler.send(ipc.encode(msg))
+        elif isinstance(msg, ControlRequest):
+            self._control(client, msg)
+
+    def _admit(self, client: bytes, req: GenerateRequest) -> None:
+        try:
+            if req.rid in self.in_flight:
+                raise BadRequest(f"request id {req.rid!r} is already in flight")
+            prompt_ids = self._prompt_ids(req)
+            params = self._sampling_params(req, len(prompt_ids))
+        except (BadRequest, SamplingParamsError) as e:
+            self._reply(client, ClientOutput(req.rid, finished=True, error=str(e), status=400))
+            return
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
+                                           params.spaces_between_special_tokens, params.stop)
+        self.in_flight[req.rid] = _InFlight(client, req, prompt_ids, detok)
+        self.to_scheduler.send(ipc.encode(TokenizedRequest(
+            req.rid, prompt_ids, params, req.return_logprob, req.logprob_start_len, req.top_logprobs_num)))
+
+    def _prompt_ids(self, req: GenerateRequest) -> list[int]:
+        given = [x is not None for x in (req.text, req.input_ids, req.messages)]
+        if sum(given) != 1:
+            raise BadRequest("give exactly one of text, input_ids or messages")
+        if req.input_ids is not None:
+            ids = req.input_ids
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise BadRequest("input_ids must be a list of integers")
+            if any(t < 0 or t >= self.vocab_size for t in ids):
+                raise BadRequest(f"input_ids must lie in [0, {self.vocab_size})")
+        else:
+            if self.tokenizer is None:
+                raise BadRequest("this server has no tokenizer (--skip-tokenizer-init): send input_ids")
+            text = req.text if req.text is not None else self._chat_prompt(req.messages)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise BadRequest("the prompt is empty")
+        if len(ids) >= self.context_length:
+            raise BadRequest(f"the prompt has {len(ids)} tokens; the context length is {self.context_length} "
+                             "(prompt plus at least one new token must fit)")
+        return list(ids)
+
+    def _chat_prompt(self, messages: list[dict[str, Any]]) -> str:
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages must be a non-empty list")
+        try:
+            # transformers renders templates in a jinja2 sandbox
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - a template error is the request's fault
+            raise BadRequest(f"cannot apply the chat template: {e}") from e
+
+    def _sampling_params(self, req: GenerateRequest, prompt_len: int) -> SamplingParams:
+        raw = dict(req.sampling_params or {})
+        if raw.get("max_new_tokens", 0) is None:  # "as many as fit"
+            raw["max_new_tokens"] = self.context_length - prompt_len
+        params = SamplingParams.from_dict(raw)
+        params.validate(self.vocab_size)
+        if params.regex is not None or params.json_schema is not None:
+            raise BadRequest("constrained decoding (regex, json_schema, response_format) is not available yet")
+        if req.logprob_start_len >= prompt_len:
+            raise BadRequest(f"logprob_start_len {req.logprob_start_len} must be below the prompt length {prompt_len}")
+        if req.top_logprobs_num < 0 or req.top_logprobs_num > 20:
+            raise BadRequest("top_logprobs_num must lie in [0, 20]")
+        return params
+
+    def _control(self, client: bytes, msg: ControlRequest) -> None:
+        if msg.op == "model_info":
+            self._reply(client, ControlOutput(msg.rid, {
+                "model_path": self.args.model_path or self.model_name, "is_generation": True,
+                "context_length": self.context_length, "vocab_size": self.vocab_size}))
+            return
+        self.pending_control[msg.rid] = client
+        self.to_scheduler.send(ipc.encode(msg))
+
+    def _reply(self, client: bytes, msg: Any) -> None:
+        self.clients.send_multipart([client, ipc.encode(msg)])
+
+    # ---- scheduler ---------------------------------------------------------------------------
+
+    def _from_scheduler(self, msg: Any) -> None:
+        if isinstance(msg, ControlOutput):
+            client = self.pending_control.pop(msg.rid, None)
+            if client is not None:
+                self._reply(client, msg)
+            return
+        assert isinstance(msg, BatchTokenOutput)
+        for out in msg.outputs:
+            state = self.in_flight.get(out.rid)
+            if state is not None:
+                self._progress(state, out)
+
+    def _progress(self, st: _InFlight, out: TokenOutput) -> None:
+        reason = out.finish_reason
+        if reason is not None and reason.get("status"):  # refused by the scheduler
+            del self.in_flight[out.rid]
+            self._reply(st.client, ClientOutput(out.rid, finished=True, error=reason["message"], status=reason["status"]))
+            return
+        st.token_ids.extend(out.new_token_ids)
+        st.logprobs.extend([lp, t] for lp, t in zip(out.output_logprobs, out.new_token_ids))
+        st.top_logprobs.extend(out.output_top_logprobs)
+        if out.input_logprobs is not None:
+            start = max(st.req.logprob_start_len, 0)
+            st.input_logprobs = [[lp, t] for lp, t in zip(out.input_logprobs, st.prompt_ids[start:])]
+            st.input_top_logprobs = out.input_top_logprobs
+        finished = reason is not None
+        if st.detok is not None:
+            st.text += st.detok.add(out.new_token_ids, flush=finished)
+            if st.detok.stopped_on is not None and not finished:
+                # the text found a stop string before the scheduler did: end it here and free its KV
+                self.to_scheduler.send(ipc.encode(AbortRequest(out.rid)))
+                reason, finished = {"type": "stop", "matched": st.detok.stopped_on}, True
+        if finished:
+            del self.in_flight[out.rid]
+        if finished or st.req.stream:
+            self._reply(st.client, self._client_output(st, out, reason, finished))
+
+    def _with_text(self, st: _InFlight, entries: list | None) -> list | None:
+        """[logprob, id] pairs, with the token's text appended when the request asked for it."""
+        if entries is None or not st.req.return_text_in_logprobs or self.tokenizer is None:
+            return entries
+        return [[e[0], e[1], self.tokenizer.decode([e[1]])] for e in entries]
+
+    def _client_output(self, st: _InFlight, out: TokenOutput, reason: dict | None, finished: bool) -> ClientOutput:
+        meta: dict[str, Any] = {
+            "id": st.req.rid, "prompt_tokens": out.prompt_tokens, "completion_tokens": len(st.token_ids),
+            "cached_tokens": out.cached_tokens, "finish_reason": reason,
+        }
+        stream = st.req.stream
+        if st.req.return_logprob:
+            lo = st.sent_tokens if stream else 0
+            meta["output_token_logprobs"] = self._with_text(st, st.logprobs[lo:])
+            meta["output_top_logprobs"] = [self._with_text(st, top) for top in st.top_logprobs[lo:]]
+            if st.input_logprobs is not None:
+                meta["input_token_logprobs"] = self._with_text(st, st.input_logprobs)
+                meta["input_top_logprobs"] = [self._with_text(st, top) for top in st.input_top_logprobs]
+        ids = st.token_ids[st.sent_tokens:] if stream else st.token_ids
+        text = st.text[st.sent_text:] if stream else st.text
+        st.sent_tokens, st.sent_text = len(st.token_ids), len(st.text)
+        return ClientOutput(st.req.rid, text, ids, meta, finished)
+
+
+def run_tokenizer_process(args: ServerArgs, client_addr: str, to_scheduler: str, from_scheduler: str,
+                          ready: Connection) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    ipc.die_with_parent()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        manager = TokenizerManager(args, client_addr, to_scheduler, from_scheduler)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which exits with it
+        log.exception("tokenizer failed to start")
+        ready.send({"error": f"{type(e).__name__}: {e}"})
+        return
+    ready.send({"ok": True, "has_tokenizer": manager.tokenizer is not None})
+    manager.run_forever()

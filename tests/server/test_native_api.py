@@ -1,0 +1,160 @@
+"""The SGLang-native HTTP API against a live server."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import httpx
+import orjson
+import pytest
+
+from server.conftest import assert_kv_clean
+
+CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def post(server, path, body, **kw):
+    return httpx.post(server.url + path, json=body, timeout=120, **kw)
+
+
+def sse_events(server, body):
+    events = []
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    return [orjson.loads(e) for e in events[:-1]]
+
+
+def test_info_endpoints(server):
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/health_generate", timeout=60).status_code == 200
+    info = httpx.get(server.url + "/get_model_info").json()
+    assert info["context_length"] == 8192 and info["is_generation"]
+    sinfo = httpx.get(server.url + "/get_server_info").json()
+    assert sinfo["max_total_tokens"] == 30000 and sinfo["schedule_policy"] == "lpm"
+
+
+def test_generate_equals_in_process_engine(server, smol):
+    prompts = [CHAT.format(q) for q in ("What is the capital of France?", "Name a primary colour.", "What is 2+2?")]
+    params = {"max_new_tokens": 24, "temperature": 0}
+    served = post(server, "/generate", {"text": prompts, "sampling_params": params}).json()
+    local = smol.engine.generate(prompts, params)
+    assert [s["output_ids"] for s in served] == [r["output_ids"] for r in local]
+    assert [s["text"] for s in served] == [r["text"] for r in local]
+    assert "Paris" in served[0]["text"]
+    meta = served[0]["meta_info"]
+    assert meta["prompt_tokens"] == len(smol.engine.tokenizer.encode(prompts[0], add_special_tokens=False))
+    assert meta["finish_reason"]["type"] in ("stop", "length")
+    assert_kv_clean(server.url)
+
+
+def test_input_ids_n_and_logprobs(server):
+    body = {"input_ids": [[504, 3575, 282, 4649, 314], [33, 28, 216, 34]],
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "n": 2},
+            "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2, "return_text_in_logprobs": True}
+    res = post(server, "/generate", body).json()
+    assert len(res) == 4 and res[0]["output_ids"] == res[1]["output_ids"]
+    meta = res[0]["meta_info"]
+    assert len(meta["output_token_logprobs"]) == 4 and len(meta["input_token_logprobs"]) == 5
+    lp, tok, text = meta["output_token_logprobs"][0]
+    assert tok == res[0]["output_ids"][0] and lp <= 0 and isinstance(text, str)
+    assert meta["input_token_logprobs"][0][0] is None
+    assert len(meta["output_top_logprobs"][0]) == 2
+
+
+def test_max_new_tokens_zero_prefills_and_caches(server):
+    prompt = CHAT.format("Tell me about the moon, " * 12)
+    res = post(server, "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 0},
+                                     "return_logprob": True, "logprob_start_len": 0}).json()
+    assert res["output_ids"] == [] and len(res["meta_info"]["input_token_logprobs"]) == res["meta_info"]["prompt_tokens"]
+    again = post(server, "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 1}}).json()
+    assert again["meta_info"]["cached_tokens"] >= res["meta_info"]["prompt_tokens"] - 1
+
+
+def test_streaming_text_equals_non_streaming(server):
+    body = {"text": CHAT.format("Write one sentence about cats."), "sampling_params": {"max_new_tokens": 30, "temperature": 0}}
+    whole = post(server, "/generate", body).json()
+    chunks = sse_events(server, {**body, "stream": True})
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    assert sum(len(c["output_ids"]) for c in chunks) == len(whole["output_ids"])
+    assert chunks[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
+
+
+def test_stop_string_never_leaks_into_the_stream(server):
+    body = {"text": CHAT.format("What is the capital of France?"),
+            "sampling_params": {"max_new_tokens": 20, "temperature": 0, "stop": ["Paris"]}}
+    chunks = sse_events(server, {**body, "stream": True})
+    text = "".join(c["text"] for c in chunks)
+    assert "Par" not in text and chunks[-1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": "Paris"}
+    assert post(server, "/generate", body).json()["text"] == text
+
+
+def test_64_concurrent_streams(server):
+    prompts = [CHAT.format(f"Say the number {i} in words.") for i in range(64)]
+    params = {"max_new_tokens": 12, "temperature": 0}
+    expected = [r["text"] for r in post(server, "/generate", {"text": prompts, "sampling_params": params}).json()]
+    with cf.ThreadPoolExecutor(64) as pool:
+        streamed = list(pool.map(lambda p: "".join(c["text"] for c in sse_events(
+            server, {"text": p, "sampling_params": params, "stream": True})), prompts))
+    assert streamed == expected
+    assert_kv_clean(server.url)
+
+
+def test_disconnect_mid_stream_aborts_and_frees_kv(server):
+    body = {"text": CHAT.format("Write a very long story about a dragon."), "stream": True,
+            "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}}
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 4:
+                break  # leave mid-stream: the connection closes
+    assert_kv_clean(server.url)
+    assert post(server, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+
+
+@pytest.mark.parametrize("body,fragment", [
+    ({"text": "hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ({"text": "hi", "sampling_params": {"max_tokens": 3}}, "max_tokens"),
+    ({"text": "hi", "sampling_params": {"temperature": "hot"}}, "temperature"),
+    ({"text": "hi", "bogus": 1}, "bogus"),
+    ({"sampling_params": {}}, "exactly one"),
+    ({"text": ""}, "empty"),
+    ({"input_ids": [1, 99999999]}, "input_ids"),
+    ({"text": "word " * 9000}, "context length"),
+    ({"text": "hi", "sampling_params": {"n": 0}}, "n must"),
+    ({"text": "hi", "sampling_params": {"regex": "a+"}}, "constrained"),
+])
+def test_bad_input_gets_400_and_server_keeps_serving(server, body, fragment):
+    r = post(server, "/generate", body)
+    assert r.status_code == 400, r.text
+    assert fragment in r.json()["error"]["message"]
+    streamed = post(server, "/generate", {**body, "stream": True})
+    assert streamed.status_code == 400
+    assert post(server, "/generate", {"text": "ok", "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+
+
+def test_malformed_json_and_wrong_method(server):
+    r = httpx.post(server.url + "/generate", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    assert httpx.post(server.url + "/generate", content=b"[1, 2]", timeout=30).status_code == 400
+    assert httpx.get(server.url + "/generate", timeout=30).status_code == 405
+
+
+def test_flush_cache_and_abort_request(server):
+    post(server, "/generate", {"text": "warm the cache " * 10, "sampling_params": {"max_new_tokens": 1}})
+    assert httpx.post(server.url + "/flush_cache", timeout=30).status_code == 200
+    acct = httpx.get(server.url + "/debug/kv_accounting", timeout=30).json()
+    assert acct["evictable_pages"] == 0 and acct["free_pages"] == acct["pool_pages"]
+    assert httpx.post(server.url + "/abort_request", json={"rid": "nobody"}, timeout=30).status_code == 200
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(post, server, "/generate", {"text": "a long one", "rid": "to-abort",
+                                                       "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}})
+        import time
+
+        time.sleep(1.5)
+        httpx.post(server.url + "/abort_request", json={"rid": "to-abort"}, timeout=30)
+        res = fut.result(timeout=60)
+    assert res.json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert_kv_clean(server.url)
