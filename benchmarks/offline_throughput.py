@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from runtime.engine import Engine  # noqa: E402
+from runtime.local_engine import LocalEngine  # noqa: E402
 from runtime.tokenizer.loader import load_tokenizer  # noqa: E402
 from runtime.worker.loader import default_model_path, resolve_model  # noqa: E402
 
@@ -112,7 +112,7 @@ def shared_prefix_workload(pool: list[int], cfg: Config, seed: int = 1) -> Workl
 # ---- the two systems ---------------------------------------------------------------------------
 
 
-def run_ours(engine: Engine, w: Workload, system: str) -> tuple[Row, list[list[int]]]:
+def run_ours(engine: LocalEngine, w: Workload, system: str) -> tuple[Row, list[list[int]]]:
     """Every request submitted at once: the scheduler batches them continuously."""
     engine.flush_cache()  # cold cache: the first request of the run populates it
     # min_new_tokens matches HF's semantics exactly (EOS is masked, not just ignored), so the
@@ -157,7 +157,7 @@ def load_hf(path: str) -> Any:
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
 
 
-def warm_up(engine: Engine, hf: Any, pad_id: int) -> None:
+def warm_up(engine: LocalEngine, hf: Any, pad_id: int) -> None:
     """One tiny generate each, so first-call costs (allocations, kernel selection) stay out of the timings."""
     prompt = [[100] * 8, [200] * 12]
     engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 4, "temperature": 0})
@@ -230,7 +230,7 @@ def main() -> None:
     workloads = [random_workload(pool, cfg), shared_prefix_workload(pool, cfg)]
     # Room for every request at once, so our runs measure batching, not retraction under a small pool.
     kv_tokens = max(w.total_tokens for w in workloads) + 1024
-    ours = Engine(path, tokenizer=tokenizer, max_total_tokens=kv_tokens)
+    ours = LocalEngine(path, tokenizer=tokenizer, max_total_tokens=kv_tokens)
     hf = load_hf(path)
     warm_up(ours, hf, tokenizer.eos_token_id)
 
@@ -248,7 +248,7 @@ def main() -> None:
     }, cli.quick)
 
 
-def run_all(ours: Engine, hf: Any, workloads: list[Workload], cfg: Config) -> tuple[list[Row], tuple[int, int]]:
+def run_all(ours: LocalEngine, hf: Any, workloads: list[Workload], cfg: Config) -> tuple[list[Row], tuple[int, int]]:
     """Every system on every workload, HF first; returns the rows and the random workload's output matches."""
     pad_id = ours.tokenizer.eos_token_id
     rows, matches = [], (0, 0)
@@ -265,9 +265,9 @@ def run_all(ours: Engine, hf: Any, workloads: list[Workload], cfg: Config) -> tu
     return rows, matches
 
 
-def run_without_cache(ours: Engine, w: Workload) -> Row:
+def run_without_cache(ours: LocalEngine, w: Workload) -> Row:
     """Our engine with the radix cache off (same weights): every request prefills its whole prompt."""
-    engine = Engine(ours.args.model_path, model=ours.worker.model, tokenizer=ours.tokenizer,
+    engine = LocalEngine(ours.args.model_path, model=ours.worker.model, tokenizer=ours.tokenizer,
                     max_total_tokens=ours.args.max_total_tokens, disable_radix_cache=True)
     row, _ = run_ours(engine, w, "radixlm no-cache")
     del engine

@@ -23,14 +23,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from offline_throughput import FULL, random_workload, shared_prefix_workload, token_pool  # noqa: E402
-from runtime.engine import Engine  # noqa: E402
+from runtime.local_engine import LocalEngine  # noqa: E402
 from runtime.messages import TokenizedRequest  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
 
 WARMUP_STEPS = 3
 
 
-def start_decoding(engine: Engine, prompts: list[list[int]], new_tokens: int) -> None:
+def start_decoding(engine: LocalEngine, prompts: list[list[int]], new_tokens: int) -> None:
     """Submit every prompt and step until all are prefilled and decoding."""
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
     for ids in prompts:
@@ -51,7 +51,7 @@ def main() -> None:
     cli = parser.parse_args()
     torch.set_num_threads(cli.threads)
 
-    engine = Engine(None, max_total_tokens=32768)
+    engine = LocalEngine(None, max_total_tokens=32768)
     make = random_workload if cli.workload == "random" else shared_prefix_workload
     workload = make(token_pool(engine.tokenizer), FULL)
     prompts = workload.prompts[: cli.requests]

@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(ns: argparse.Namespace) -> int:
-    from runtime.engine import Engine
+    from runtime.local_engine import LocalEngine
 
-    engine = Engine(**vars(ServerArgs.from_cli_args(ns)))
+    engine = LocalEngine(**vars(ServerArgs.from_cli_args(ns)))
     prompts = ns.prompts if ns.raw else [engine.apply_chat_template([{"role": "user", "content": p}]) for p in ns.prompts]
     params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "top_p": ns.top_p, "seed": ns.seed}
     start = time.perf_counter()

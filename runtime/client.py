@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
-from typing import Any, AsyncIterator, Coroutine
+from typing import Any, AsyncIterator, Callable, Coroutine
 
 import zmq
 import zmq.asyncio
@@ -19,7 +19,7 @@ from runtime import ipc
 from runtime.messages import AbortRequest, ClientOutput, ControlOutput, ControlRequest, GenerateRequest
 
 
-class RequestFailed(RuntimeError):
+class RequestFailed(ValueError):
     """The runtime refused a request; `status` is the HTTP-like code (400: the request's fault)."""
 
     def __init__(self, message: str, status: int = 400) -> None:
@@ -33,6 +33,7 @@ class RuntimeClient:
         self.sock = ipc.socket(self.ctx, zmq.DEALER, address, bind=False)
         self._waiters: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
+        self.on_finish: Callable[[ClientOutput], None] | None = None  # e.g. metrics
 
     def _ensure_reader(self) -> None:
         if self._reader is None or self._reader.done():
@@ -56,6 +57,8 @@ class RuntimeClient:
             await self.sock.send(ipc.encode(req))
             while not finished:
                 out: ClientOutput = await queue.get()
+                if (out.finished or out.error is not None) and self.on_finish is not None:
+                    self.on_finish(out)
                 if out.error is not None:
                     finished = True
                     raise RequestFailed(out.error, out.status)

@@ -1,42 +1,30 @@
-"""The in-process Python API: `Engine(...).generate(...)`.
+"""The Python API over a background process group: `Engine(...).generate(...)`.
 
-The engine tokenizes, feeds the scheduler, runs steps until its requests are
-done, and detokenizes. (The served runtime puts each part in its own process;
-the engine's API stays the same.)
+`Engine` starts the tokenizer and scheduler processes (as `radixlm serve`
+does, without HTTP) and talks to them through the runtime's client, so it
+batches concurrent calls from many threads like a server. For everything in
+one process (tests, benchmarks), see `runtime.local_engine.LocalEngine`.
 """
 
 from __future__ import annotations
 
-import uuid
+import atexit
 from typing import Any, Sequence
 
 from runtime.args import ServerArgs
-from runtime.messages import TokenizedRequest, TokenOutput
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler.scheduler import Scheduler
-from runtime.tokenizer.loader import load_tokenizer
-from runtime.worker.loader import resolve_model
-from runtime.worker.model_worker import ModelWorker
+from runtime.client import RequestFailed, SyncRuntimeClient
+from runtime.launch import launch_processes
+from runtime.native import native_requests, native_result
 
 
 class Engine:
-    def __init__(self, model_path: str | None = None, *, tokenizer: Any = None, model: Any = None,
-                 **kwargs: Any) -> None:
-        """Options are ServerArgs fields. `tokenizer` / `model`: already-loaded ones to reuse
-        (tests and benchmarks build several engines over one copy of the weights)."""
+    def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
+        """Options are ServerArgs fields (page_size, max_total_tokens, ...)."""
         self.args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
-        self.source = resolve_model(self.args.model_path)
-        if tokenizer is None and not self.args.skip_tokenizer_init:
-            tokenizer = load_tokenizer(self.source, self.args.tokenizer_path)
-        self.tokenizer = tokenizer
-        self.worker = ModelWorker(self.args, self.source, model=model)
-        self.scheduler = Scheduler(self.args, self.worker, decode=self._decode_plain if tokenizer else None)
-
-    def _decode_plain(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        self._group = launch_processes(self.args)
+        self._client = SyncRuntimeClient(self._group.client_address)
+        self.info = self._group.info
+        atexit.register(self.shutdown)
 
     def generate(
         self,
@@ -47,81 +35,55 @@ class Engine:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
     ) -> dict[str, Any] | list[dict[str, Any]]:
-        """Generate for one prompt (returns a dict) or a batch (returns a list of dicts).
+        """One prompt -> a dict; a batch -> a list (n > 1: n per prompt). Same shapes as /generate.
 
-        Each result has `text`, `output_ids` and `meta_info` (id, prompt_tokens,
-        completion_tokens, cached_tokens, finish_reason and, when asked, logprobs).
-        """
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt or input_ids")
-        single = isinstance(prompt, str) or (input_ids is not None and (not input_ids or isinstance(input_ids[0], int)))
+        Raises ValueError (`BadRequest` or `RequestFailed`) for input the runtime refuses."""
+        body: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob,
+                                "logprob_start_len": logprob_start_len, "top_logprobs_num": top_logprobs_num}
         if prompt is not None:
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer (skip_tokenizer_init): give input_ids")
-            prompts = [prompt] if single else list(prompt)
-            id_lists = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        else:
-            id_lists = [list(input_ids)] if single else [list(x) for x in input_ids]
-        params = self._params_per_prompt(sampling_params, len(id_lists))
-        requests = [
-            TokenizedRequest(uuid.uuid4().hex, ids, p, return_logprob, logprob_start_len, top_logprobs_num)
-            for ids, p in zip(id_lists, params)
-        ]
-        results = self.run(requests)
+            body["text"] = list(prompt) if not isinstance(prompt, str) else prompt
+        if input_ids is not None:
+            body["input_ids"] = [list(x) for x in input_ids] if input_ids and not isinstance(input_ids[0], int) else list(input_ids)
+        return self._run(body)
+
+    def chat(self, messages: list[dict[str, Any]], sampling_params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Generate the assistant's reply to a conversation, rendered with the model's chat template."""
+        return self._run({"messages": messages, "sampling_params": sampling_params or {}})
+
+    def _run(self, body: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        reqs, single = native_requests(body)
+        outs = self._client.generate_many(reqs)
+        failed = next((o for o in outs if isinstance(o, BaseException)), None)
+        if failed is not None:
+            raise failed
+        results = [native_result(o) for o in outs]
         return results[0] if single else results
 
-    def _params_per_prompt(self, sp: Any, n: int) -> list[SamplingParams]:
-        if isinstance(sp, (list, tuple)):
-            if len(sp) != n:
-                raise ValueError(f"got {len(sp)} sampling_params for {n} prompts")
-            return [SamplingParams.from_dict(d) for d in sp]
-        return [SamplingParams.from_dict(sp) for _ in range(n)]
-
-    def run(self, requests: list[TokenizedRequest]) -> list[dict[str, Any]]:
-        """Submit tokenized requests, step the scheduler until they finish, and return their results in order."""
-        for tr in requests:
-            self.scheduler.add_request(tr)
-        collected: dict[str, list[TokenOutput]] = {tr.rid: [] for tr in requests}
-        pending = set(collected)
-        while pending:
-            for out in self.scheduler.step():
-                if out.rid in collected:
-                    collected[out.rid].append(out)
-                    if out.finished:
-                        pending.discard(out.rid)
-        return [self._result(tr, collected[tr.rid]) for tr in requests]
-
-    def _result(self, tr: TokenizedRequest, outs: list[TokenOutput]) -> dict[str, Any]:
-        ids = [t for o in outs for t in o.new_token_ids]
-        last = outs[-1]
-        params = tr.sampling_params
-        text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens) if self.tokenizer else ""
-        reason = last.finish_reason or {}
-        if reason.get("type") == "stop" and isinstance(reason.get("matched"), str):
-            text = text[: text.find(reason["matched"])] if reason["matched"] in text else text
-        meta: dict[str, Any] = {
-            "id": tr.rid,
-            "prompt_tokens": last.prompt_tokens,
-            "completion_tokens": last.completion_tokens,
-            "cached_tokens": last.cached_tokens,
-            "finish_reason": last.finish_reason,
-        }
-        if tr.return_logprob:
-            logprobs = [lp for o in outs for lp in o.output_logprobs]
-            meta["output_token_logprobs"] = list(zip(logprobs, ids))
-            meta["output_top_logprobs"] = [t for o in outs for t in o.output_top_logprobs]
-            first = next((o for o in outs if o.input_logprobs is not None), None)
-            if first is not None:
-                start = max(tr.logprob_start_len, 0)
-                meta["input_token_logprobs"] = list(zip(first.input_logprobs, tr.input_ids[start:]))
-                meta["input_top_logprobs"] = first.input_top_logprobs
-        return {"text": text, "output_ids": ids, "meta_info": meta}
-
-    def check_accounting(self) -> None:
-        self.scheduler.check_accounting()
-
     def flush_cache(self) -> bool:
-        return self.scheduler.flush_cache()
+        return self._client.control("flush_cache")["success"]
+
+    def server_info(self) -> dict[str, Any]:
+        return self._client.control("server_info")
+
+    def check_accounting(self) -> dict[str, Any]:
+        return self._client.control("check_accounting")
 
     def shutdown(self) -> None:
-        """Nothing to stop in-process; kept so callers can treat every engine alike."""
+        """Stop the processes (idempotent; also runs at interpreter exit)."""
+        if self._group is None:
+            return
+        try:
+            self._client.close()
+        finally:
+            self._group.shutdown()
+            self._group = None
+            atexit.unregister(self.shutdown)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+__all__ = ["Engine", "RequestFailed"]

@@ -55,10 +55,10 @@ class TinyModel:
 
     def engine(self, **kwargs):
         """An Engine over this checkpoint; every engine shares one copy of the weights."""
-        from runtime.engine import Engine
+        from runtime.local_engine import LocalEngine
 
         kwargs.setdefault("max_total_tokens", 8192)
-        engine = Engine(self.path, skip_tokenizer_init=True, model=self._model, **kwargs)
+        engine = LocalEngine(self.path, skip_tokenizer_init=True, model=self._model, **kwargs)
         self._model = engine.worker.model
         return engine
 
@@ -99,10 +99,10 @@ class Smol:
     def __init__(self) -> None:
         import transformers
 
-        from runtime.engine import Engine
+        from runtime.local_engine import LocalEngine
 
         self.path = smollm2_path()
-        self.engine = Engine(self.path, max_total_tokens=16384)
+        self.engine = LocalEngine(self.path, max_total_tokens=16384)
         tok = self.engine.tokenizer
         self.prompts = [tok.encode(self.engine.apply_chat_template([{"role": "user", "content": q}]),
                                    add_special_tokens=False) for q in SMOL_QUESTIONS]
@@ -111,12 +111,40 @@ class Smol:
         self.refs = hf_greedy(self.hf, self.prompts, NEW_TOKENS)
 
     def engine_with(self, **kwargs):
-        from runtime.engine import Engine
+        from runtime.local_engine import LocalEngine
 
         kwargs.setdefault("max_total_tokens", 16384)
-        return Engine(self.path, model=self.engine.worker.model, tokenizer=self.engine.tokenizer, **kwargs)
+        return LocalEngine(self.path, model=self.engine.worker.model, tokenizer=self.engine.tokenizer, **kwargs)
 
 
 @pytest.fixture(scope="session")
 def smol() -> Smol:
     return Smol()
+
+
+def _child_processes() -> list[tuple[int, str]]:
+    import subprocess
+
+    out = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout
+    children = []
+    for pid in map(int, out.split()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "resource_tracker" not in cmd:  # multiprocessing's helper lives as long as pytest
+            children.append((pid, cmd))
+    return children
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """No test may leave a runtime process behind."""
+    import time
+
+    deadline = time.time() + 10
+    while (left := _child_processes()) and time.time() < deadline:
+        time.sleep(0.5)
+    if left:
+        print(f"\nERROR: processes left behind by the tests: {left}")
+        session.exitstatus = 1

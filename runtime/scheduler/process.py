@@ -65,8 +65,9 @@ class SchedulerProcess:
             return {
                 "running_requests": len(s.running), "waiting_requests": len(s.waiting),
                 "kv_pool_tokens": s.kv.num_pages * s.kv.page_size, "page_size": s.kv.page_size,
-                "free_pages": s.kv.allocator.num_free_pages, "cached_pages": s.kv.cache.evictable_pages
-                + s.kv.cache.locked_pages, "num_retractions": s.num_retractions,
+                "free_tokens": s.kv.allocator.num_free_pages * s.kv.page_size,
+                "cached_tokens": (s.kv.cache.evictable_pages + s.kv.cache.locked_pages) * s.kv.page_size,
+                "num_retractions": s.num_retractions,
                 "context_length": s.context_length,
             }
         if op == "check_accounting":

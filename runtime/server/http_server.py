@@ -13,9 +13,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.client import RequestFailed, RuntimeClient
 from runtime.messages import ClientOutput, GenerateRequest
-
-MAX_BATCH = 1024  # prompts x n in one /generate call
-
+from runtime.native import BadRequest, native_requests, native_result
+from runtime.server.metrics import Metrics
 
 class HTTPError(Exception):
     def __init__(self, message: str, status: int = 400) -> None:
@@ -32,6 +31,8 @@ class ServerState:
         self.server_args = server_args
         self.model_name = model_name
         self.started = int(time.time())
+        self.metrics = Metrics()
+        client.on_finish = self.metrics.observe
         self.dead: str | None = None  # set by the watchdog when a runtime process dies
 
 
@@ -42,6 +43,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(HTTPError)
     async def _http_error(_: Request, e: HTTPError) -> JSONResponse:
         return error_response(str(e), e.status)
+
+    @app.exception_handler(BadRequest)
+    async def _bad_request(_: Request, e: BadRequest) -> JSONResponse:
+        return error_response(str(e), 400)
 
     @app.exception_handler(RequestFailed)
     async def _refused(_: Request, e: RequestFailed) -> JSONResponse:
@@ -68,6 +73,11 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/get_server_info")
     async def server_info() -> dict:
         return {**state.server_args, **state.info, **(await state.client.control("server_info"))}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = state.metrics.render(await state.client.control("server_info"))
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/debug/kv_accounting")
     async def kv_accounting() -> dict:
@@ -124,74 +134,6 @@ async def json_body(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise HTTPError("the body must be a JSON object")
     return body
-
-
-NATIVE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
-                 "top_logprobs_num", "return_text_in_logprobs", "rid", "messages"}
-
-
-def native_requests(body: dict[str, Any]) -> tuple[list[GenerateRequest], bool]:
-    """Expand a native /generate body into one GenerateRequest per prompt and sample (n)."""
-    unknown = sorted(set(body) - NATIVE_FIELDS)
-    if unknown:
-        raise HTTPError(f"unknown field(s) {unknown}; allowed: {sorted(NATIVE_FIELDS)}")
-    text, ids, chat = body.get("text"), body.get("input_ids"), body.get("messages")
-    if sum(x is not None for x in (text, ids, chat)) != 1:
-        raise HTTPError("give exactly one of 'text', 'input_ids' or 'messages'")
-    if chat is not None:  # one chat conversation
-        text, single, prompts = None, True, [chat]
-    else:
-        single = isinstance(text, str) or (ids is not None and (not ids or not isinstance(ids[0], list)))
-        prompts = [text if text is not None else ids] if single else (text if text is not None else ids)
-    if not isinstance(prompts, list) or not prompts:
-        raise HTTPError("'text' must be a string or a non-empty list of strings; 'input_ids' a list of ints or of lists")
-    params = body.get("sampling_params") or {}
-    param_list = params if isinstance(params, list) else [params] * len(prompts)
-    if len(param_list) != len(prompts) or not all(isinstance(p, dict) for p in param_list):
-        raise HTTPError("'sampling_params' must be an object or a list of objects, one per prompt")
-    rids = body.get("rid")
-    reqs = []
-    for i, (prompt, p) in enumerate(zip(prompts, param_list)):
-        n = p.get("n", 1)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise HTTPError("sampling_params.n must be an integer >= 1")
-        base = _rid(rids, i, single)
-        for j in range(n):
-            rid = base if n == 1 else f"{base}-{j}"
-            reqs.append(GenerateRequest(
-                rid=rid,
-                text=prompt if isinstance(prompt, str) else None,
-                input_ids=prompt if ids is not None else None,
-                messages=prompt if chat is not None else None,
-                sampling_params={k: v for k, v in p.items() if k != "n"},
-                return_logprob=bool(body.get("return_logprob", False)),
-                logprob_start_len=_int(body, "logprob_start_len", -1),
-                top_logprobs_num=_int(body, "top_logprobs_num", 0),
-                return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
-                stream=bool(body.get("stream", False)),
-            ))
-    if len(reqs) > MAX_BATCH:
-        raise HTTPError(f"{len(reqs)} generations in one call; at most {MAX_BATCH}")
-    return reqs, single and len(reqs) == 1
-
-
-def _rid(rids: Any, i: int, single: bool) -> str:
-    if isinstance(rids, str) and single:
-        return rids
-    if isinstance(rids, list) and i < len(rids) and isinstance(rids[i], str):
-        return rids[i]
-    return uuid.uuid4().hex
-
-
-def _int(body: dict[str, Any], key: str, default: int) -> int:
-    value = body.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise HTTPError(f"'{key}' must be an integer")
-    return value
-
-
-def native_result(out: ClientOutput) -> dict[str, Any]:
-    return {"text": out.text, "output_ids": out.token_ids, "meta_info": out.meta_info}
 
 
 async def gather_outputs(client: RuntimeClient, reqs: list[GenerateRequest]) -> list[ClientOutput]:

@@ -16,9 +16,9 @@ from pydantic import BaseModel, ValidationError
 
 from runtime.messages import GenerateRequest
 from runtime.server import openai_protocol as oa
+from runtime.native import native_requests, native_result
 from runtime.server.http_server import (
-    HTTPError, ServerState, gather_outputs, json_body, merge_streams, native_requests, native_result,
-    run_until_done, sse, sse_response,
+    HTTPError, ServerState, gather_outputs, json_body, merge_streams, run_until_done, sse, sse_response,
 )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -46,6 +47,8 @@ class _InFlight:
     top_logprobs: list[Any] = field(default_factory=list)
     input_logprobs: list[list[Any]] | None = None
     input_top_logprobs: list[Any] | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
 
 
 class TokenizerManager:
@@ -190,6 +193,8 @@ class TokenizerManager:
             self._reply(st.client, ClientOutput(out.rid, finished=True, error=reason["message"], status=reason["status"]))
             return
         st.token_ids.extend(out.new_token_ids)
+        if st.first_token is None and out.new_token_ids:
+            st.first_token = time.perf_counter()
         st.logprobs.extend([lp, t] for lp, t in zip(out.output_logprobs, out.new_token_ids))
         st.top_logprobs.extend(out.output_top_logprobs)
         if out.input_logprobs is not None:
@@ -219,6 +224,11 @@ class TokenizerManager:
             "id": st.req.rid, "prompt_tokens": out.prompt_tokens, "completion_tokens": len(st.token_ids),
             "cached_tokens": out.cached_tokens, "finish_reason": reason,
         }
+        if finished:
+            now = time.perf_counter()
+            meta["e2e_latency"] = now - st.arrival
+            if st.first_token is not None:
+                meta["time_to_first_token"] = st.first_token - st.arrival
         stream = st.req.stream
         if st.req.return_logprob:
             lo = st.sent_tokens if stream else 0

@@ -183,18 +183,18 @@ def test_bad_requests_raise_clear_errors(tiny_llama):
 
 
 def test_bad_model_paths(tmp_path):
-    from runtime.engine import Engine
+    from runtime.local_engine import LocalEngine
     from runtime.worker.model_config import UnsupportedModelError
 
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        Engine(str(tmp_path / "missing"))
+        LocalEngine(str(tmp_path / "missing"))
     with pytest.raises(FileNotFoundError, match="config.json"):
-        Engine(str(tmp_path))
+        LocalEngine(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "vocab_size": 10,
                                                       "hidden_size": 8, "intermediate_size": 8,
                                                       "num_hidden_layers": 1, "num_attention_heads": 2}))
     with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM"):
-        Engine(str(tmp_path), skip_tokenizer_init=True)
+        LocalEngine(str(tmp_path), skip_tokenizer_init=True)
     assert os.path.exists(tmp_path / "config.json")
 
 

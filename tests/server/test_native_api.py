@@ -158,3 +158,29 @@ def test_flush_cache_and_abort_request(server):
         res = fut.result(timeout=60)
     assert res.json()["meta_info"]["finish_reason"]["type"] == "abort"
     assert_kv_clean(server.url)
+
+
+def _metric(text, name):
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} missing from /metrics")
+
+
+def test_metrics_count_what_was_served(server):
+    before = httpx.get(server.url + "/metrics").text
+    prompt = CHAT.format("Describe the sea in a few words. " * 5)
+    for _ in range(2):  # the second one hits the prefix cache
+        res = post(server, "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 5, "temperature": 0,
+                                                                             "ignore_eos": True}}).json()
+    after = httpx.get(server.url + "/metrics").text
+    delta = lambda name: _metric(after, name) - _metric(before, name)  # noqa: E731
+    assert delta("radixlm_generation_tokens_total") == 10
+    assert delta("radixlm_prompt_tokens_total") == 2 * res["meta_info"]["prompt_tokens"]
+    assert delta("radixlm_cached_tokens_total") >= res["meta_info"]["prompt_tokens"] - 1
+    assert delta("radixlm_time_to_first_token_seconds_count") == 2
+    assert delta("radixlm_inter_token_latency_seconds_count") == 2
+    assert delta("radixlm_e2e_request_latency_seconds_count") == 2
+    assert 0 < _metric(after, "radixlm_cache_hit_rate") <= 1
+    assert _metric(after, "radixlm_num_running_requests") == 0
+    assert res["meta_info"]["e2e_latency"] >= res["meta_info"]["time_to_first_token"] > 0

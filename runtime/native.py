@@ -1,0 +1,85 @@
+"""SGLang's native generate body, turned into one GenerateRequest per generation.
+
+Shared by the HTTP server's /generate (and its OpenAI endpoints) and by `Engine`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from runtime.messages import ClientOutput, GenerateRequest
+
+MAX_BATCH = 1024  # prompts x n in one call
+
+
+class BadRequest(ValueError):
+    """The body is malformed; the message says what was wrong."""
+
+
+NATIVE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
+                 "top_logprobs_num", "return_text_in_logprobs", "rid", "messages"}
+
+
+def native_requests(body: dict[str, Any]) -> tuple[list[GenerateRequest], bool]:
+    """Expand a native /generate body into one GenerateRequest per prompt and sample (n)."""
+    unknown = sorted(set(body) - NATIVE_FIELDS)
+    if unknown:
+        raise BadRequest(f"unknown field(s) {unknown}; allowed: {sorted(NATIVE_FIELDS)}")
+    text, ids, chat = body.get("text"), body.get("input_ids"), body.get("messages")
+    if sum(x is not None for x in (text, ids, chat)) != 1:
+        raise BadRequest("give exactly one of 'text', 'input_ids' or 'messages'")
+    if chat is not None:  # one chat conversation
+        text, single, prompts = None, True, [chat]
+    else:
+        single = isinstance(text, str) or (ids is not None and (not ids or not isinstance(ids[0], list)))
+        prompts = [text if text is not None else ids] if single else (text if text is not None else ids)
+    if not isinstance(prompts, list) or not prompts:
+        raise BadRequest("'text' must be a string or a non-empty list of strings; 'input_ids' a list of ints or of lists")
+    params = body.get("sampling_params") or {}
+    param_list = params if isinstance(params, list) else [params] * len(prompts)
+    if len(param_list) != len(prompts) or not all(isinstance(p, dict) for p in param_list):
+        raise BadRequest("'sampling_params' must be an object or a list of objects, one per prompt")
+    rids = body.get("rid")
+    reqs = []
+    for i, (prompt, p) in enumerate(zip(prompts, param_list)):
+        n = p.get("n", 1)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise BadRequest("sampling_params.n must be an integer >= 1")
+        base = _rid(rids, i, single)
+        for j in range(n):
+            rid = base if n == 1 else f"{base}-{j}"
+            reqs.append(GenerateRequest(
+                rid=rid,
+                text=prompt if isinstance(prompt, str) else None,
+                input_ids=prompt if ids is not None else None,
+                messages=prompt if chat is not None else None,
+                sampling_params={k: v for k, v in p.items() if k != "n"},
+                return_logprob=bool(body.get("return_logprob", False)),
+                logprob_start_len=_int(body, "logprob_start_len", -1),
+                top_logprobs_num=_int(body, "top_logprobs_num", 0),
+                return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
+                stream=bool(body.get("stream", False)),
+            ))
+    if len(reqs) > MAX_BATCH:
+        raise BadRequest(f"{len(reqs)} generations in one call; at most {MAX_BATCH}")
+    return reqs, single and len(reqs) == 1
+
+
+def _rid(rids: Any, i: int, single: bool) -> str:
+    if isinstance(rids, str) and single:
+        return rids
+    if isinstance(rids, list) and i < len(rids) and isinstance(rids[i], str):
+        return rids[i]
+    return uuid.uuid4().hex
+
+
+def _int(body: dict[str, Any], key: str, default: int) -> int:
+    value = body.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise BadRequest(f"'{key}' must be an integer")
+    return value
+
+
+def native_result(out: ClientOutput) -> dict[str, Any]:
+    return {"text": out.text, "output_ids": out.token_ids, "meta_info": out.meta_info}

@@ -1,0 +1,67 @@
+"""Prometheus metrics of the served runtime (`GET /metrics`).
+
+Latencies and token counts are observed from each request's final output (the
+tokenizer process stamps `time_to_first_token` and `e2e_latency` into its
+meta_info); gauges of the scheduler's state are read from it at scrape time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from runtime.messages import ClientOutput
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("radixlm_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("radixlm_inter_token_latency_seconds", "Mean time per output token after the first",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("radixlm_e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("radixlm_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("radixlm_generation_tokens", "Tokens generated", registry=r)
+        self.cached_tokens = Counter("radixlm_cached_tokens", "Prompt tokens served from the prefix cache", registry=r)
+        self.requests = Counter("radixlm_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.running = Gauge("radixlm_num_running_requests", "Requests decoding", registry=r)
+        self.queued = Gauge("radixlm_num_queued_requests", "Requests waiting", registry=r)
+        self.token_usage = Gauge("radixlm_token_usage", "Share of the KV pool in use by running requests", registry=r)
+        self.cache_hit_rate = Gauge("radixlm_cache_hit_rate", "Cached prompt tokens / prompt tokens, since start",
+                                    registry=r)
+        self._prompt_total = self._cached_total = 0  # for the hit rate (counters cannot be read back publicly)
+
+    def observe(self, out: ClientOutput) -> None:
+        """Record a finished request."""
+        meta = out.meta_info
+        reason = (meta.get("finish_reason") or {}).get("type", "error" if out.error else "unknown")
+        self.requests.labels(reason).inc()
+        if out.error:
+            return
+        prompt, completion = meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0)
+        self.prompt_tokens.inc(prompt)
+        self.generation_tokens.inc(completion)
+        self.cached_tokens.inc(meta.get("cached_tokens", 0))
+        self._prompt_total += prompt
+        self._cached_total += meta.get("cached_tokens", 0)
+        if "e2e_latency" in meta:
+            self.e2e.observe(meta["e2e_latency"])
+        if "time_to_first_token" in meta:
+            self.ttft.observe(meta["time_to_first_token"])
+            if completion > 1:
+                self.itl.observe((meta["e2e_latency"] - meta["time_to_first_token"]) / (completion - 1))
+
+    def render(self, scheduler_info: dict[str, Any]) -> bytes:
+        self.running.set(scheduler_info.get("running_requests", 0))
+        self.queued.set(scheduler_info.get("waiting_requests", 0))
+        pool = scheduler_info.get("kv_pool_tokens") or 1
+        used = pool - scheduler_info.get("free_tokens", pool) - scheduler_info.get("cached_tokens", 0)
+        self.token_usage.set(max(used, 0) / pool)
+        self.cache_hit_rate.set(self._cached_total / self._prompt_total if self._prompt_total else 0.0)
+        return generate_latest(self.registry)

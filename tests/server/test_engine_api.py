@@ -1,0 +1,57 @@
+"""`Engine`: the Python API over a background process group."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import pytest
+
+from runtime.client import RequestFailed
+from runtime.engine import Engine
+from runtime.native import BadRequest
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = Engine(max_total_tokens=20000)
+    yield eng
+    eng.shutdown()
+
+
+def test_engine_equals_local_engine(engine, smol):
+    prompts = [smol.engine.apply_chat_template([{"role": "user", "content": q}])
+               for q in ("What is the capital of France?", "Name a fruit.")]
+    params = {"max_new_tokens": 16, "temperature": 0}
+    remote = engine.generate(prompts, params)
+    local = smol.engine.generate(prompts, params)
+    assert [r["output_ids"] for r in remote] == [r["output_ids"] for r in local]
+    assert engine.generate(prompts[0], params)["text"] == local[0]["text"]
+    chat = engine.chat([{"role": "user", "content": "What is the capital of France?"}], params)
+    assert chat["text"] == local[0]["text"]
+
+
+def test_engine_batches_calls_from_many_threads(engine):
+    params = {"max_new_tokens": 8, "temperature": 0}
+    expected = engine.generate([f"Count: {i}," for i in range(8)], params)
+    with cf.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda i: engine.generate(f"Count: {i},", params), range(8)))
+    assert [g["output_ids"] for g in got] == [e["output_ids"] for e in expected]
+    acct = engine.check_accounting()
+    assert acct["ok"] and acct["locked_pages"] == 0
+
+
+def test_engine_errors_are_value_errors(engine):
+    with pytest.raises(RequestFailed, match="top_p"):
+        engine.generate("hi", {"top_p": 7})
+    with pytest.raises(BadRequest, match="exactly one"):
+        engine.generate()
+    assert engine.generate("still fine", {"max_new_tokens": 1})["meta_info"]["completion_tokens"] == 1
+
+
+def test_shutdown_is_idempotent():
+    eng = Engine(max_total_tokens=4096, skip_tokenizer_init=True)
+    procs = list(eng._group.processes.values())
+    assert eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})["output_ids"]
+    eng.shutdown()
+    eng.shutdown()
+    assert not any(p.is_alive() for p in procs)
