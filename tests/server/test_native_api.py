@@ -184,3 +184,11 @@ def test_metrics_count_what_was_served(server):
     assert 0 < _metric(after, "radixlm_cache_hit_rate") <= 1
     assert _metric(after, "radixlm_num_running_requests") == 0
     assert res["meta_info"]["e2e_latency"] >= res["meta_info"]["time_to_first_token"] > 0
+
+
+def test_disconnect_while_waiting_for_a_whole_result_aborts(server):
+    body = {"text": ["Write a long poem. " * 3, "Another long one. " * 3],
+            "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/generate", json=body, timeout=2.0)  # gives up: the connection closes
+    assert_kv_clean(server.url)
