@@ -11,6 +11,7 @@ import uuid
 from typing import Any, Sequence
 
 from runtime.args import ServerArgs
+from runtime.constrained.grammar import compiler_factory
 from runtime.messages import TokenizedRequest, TokenOutput
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler.scheduler import Scheduler
@@ -30,7 +31,12 @@ class LocalEngine:
             tokenizer = load_tokenizer(self.source, self.args.tokenizer_path)
         self.tokenizer = tokenizer
         self.worker = ModelWorker(self.args, self.source, model=model)
-        self.scheduler = Scheduler(self.args, self.worker, decode=self._decode_plain if tokenizer else None)
+        grammar = None
+        if tokenizer is not None:
+            cfg = self.worker.config
+            grammar = compiler_factory(tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+        self.scheduler = Scheduler(self.args, self.worker, decode=self._decode_plain if tokenizer else None,
+                                   grammar=grammar)
 
     def _decode_plain(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

@@ -10,6 +10,7 @@ import zmq
 
 from runtime import ipc
 from runtime.args import ServerArgs
+from runtime.constrained.grammar import compiler_factory
 from runtime.messages import AbortRequest, BatchTokenOutput, ControlOutput, ControlRequest, TokenizedRequest, TokenOutput
 from runtime.sampling_params import SamplingParamsError
 from runtime.scheduler.scheduler import RequestError, Scheduler
@@ -27,7 +28,10 @@ class SchedulerProcess:
         tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source, args.tokenizer_path)
         decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else None
         self.worker = ModelWorker(args, source)
-        self.scheduler = Scheduler(args, self.worker, decode=decode)
+        grammar = None
+        if tokenizer is not None:
+            grammar = compiler_factory(tokenizer, self.worker.config.vocab_size, self.worker.config.eos_token_ids)
+        self.scheduler = Scheduler(args, self.worker, decode=decode, grammar=grammar)
         self.ctx = zmq.Context()
         self.inbox = ipc.socket(self.ctx, zmq.PULL, recv_from, bind=False)
         self.outbox = ipc.socket(self.ctx, zmq.PUSH, send_to, bind=False)

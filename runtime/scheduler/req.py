@@ -19,10 +19,14 @@ class FinishKind(Enum):
 class Finish:
     kind: FinishKind
     detail: Any = None  # matched token id / stop string; length; abort message
+    status: int | None = None  # set when the request was refused (400: its own fault)
 
     def to_dict(self) -> dict[str, Any]:
         key = {FinishKind.STOP: "matched", FinishKind.LENGTH: "length", FinishKind.ABORT: "message"}[self.kind]
-        return {"type": self.kind.value, key: self.detail}
+        out = {"type": self.kind.value, key: self.detail}
+        if self.status is not None:
+            out["status"] = self.status
+        return out
 
 
 class Req:
@@ -57,6 +61,8 @@ class Req:
         self.input_logprobs: list[float | None] | None = None
         self.input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
         self.input_logprobs_sent = False
+        self.grammar_key: tuple[str, str] | None = None  # constraint, while its index compiles
+        self.guide: Any = None  # outlines-core Guide: the constraint automaton's state
 
     @property
     def prompt_len(self) -> int:

@@ -15,7 +15,10 @@ from typing import Callable
 
 import torch
 
+from outlines_core import Guide
+
 from runtime.args import ServerArgs
+from runtime.constrained.grammar import GrammarCompiler, GrammarError, constraint_key, grammar_bitmask
 from runtime.messages import TokenizedRequest, TokenOutput
 from runtime.scheduler.kv_manager import KVManager, pages_for
 from runtime.scheduler.policy import Budget, order_waiting, reserved_decode_tokens
@@ -46,8 +49,14 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, worker: ModelWorker, decode: Callable[[list[int]], str] | None = None) -> None:
+    def __init__(self, args: ServerArgs, worker: ModelWorker, decode: Callable[[list[int]], str] | None = None,
+                 grammar: Callable[[], GrammarCompiler] | None = None) -> None:
+        """`grammar` makes the constraint compiler on first use (building the vocabulary takes a moment);
+        without it, constrained requests are refused."""
         self.args = args
+        self._make_grammar = grammar
+        self._grammar: GrammarCompiler | None = None
+        self.pending: list[Req] = []  # waiting for their constraint to compile
         self.worker = worker
         self.decode = decode  # token ids -> text, for stop strings
         self.device = worker.device
@@ -81,8 +90,11 @@ class Scheduler:
             raise RequestError(f"request id {tr.rid!r} is already in flight")
         tr.sampling_params.validate(vocab)
         req = Req(tr, self._arrivals)
+        req.grammar_key = constraint_key(tr.sampling_params)
+        if req.grammar_key is not None:
+            self.grammar.submit(req.grammar_key)
         self._live[tr.rid] = req
-        self.waiting.append(req)
+        (self.pending if req.grammar_key is not None else self.waiting).append(req)
         self._arrivals += 1
 
     def abort(self, rid: str) -> TokenOutput | None:
@@ -93,21 +105,33 @@ class Scheduler:
         if req is self.chunked:
             self.chunked = None
         else:
-            (self.waiting if req in self.waiting else self.running).remove(req)
+            next(q for q in (self.waiting, self.running, self.pending) if req in q).remove(req)
         return self._end(req, Finish(FinishKind.ABORT, "aborted"))
 
     @property
+    def grammar(self) -> GrammarCompiler:
+        if self._grammar is None:
+            if self._make_grammar is None:
+                raise RequestError("constrained decoding (regex, json_schema) needs a tokenizer")
+            self._grammar = self._make_grammar()
+        return self._grammar
+
+    @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or self.pending)
 
     @property
     def num_requests(self) -> int:
-        return len(self.waiting) + len(self.running) + (self.chunked is not None)
+        return len(self.waiting) + len(self.running) + len(self.pending) + (self.chunked is not None)
 
     def step(self) -> list[TokenOutput]:
         """Run one batch; returns the outputs of every request that advanced."""
+        if self.pending:
+            self._promote_compiled()
         batch = self._schedule_prefill() or self._schedule_decode()
         if batch is None:
+            if self.pending and not self._ended:
+                self.grammar.wait_any(timeout=0.05)  # nothing to run until a constraint compiles
             ended, self._ended = self._ended, []
             return ended
         result = self.worker.forward(self._to_worker_batch(batch))
@@ -115,6 +139,19 @@ class Scheduler:
         if self.args.debug_accounting:
             self.check_accounting()
         return outputs
+
+    def _promote_compiled(self) -> None:
+        """Requests whose constraint finished compiling join the queue (or fail with its error)."""
+        for req in list(self.pending):
+            result = self.grammar.poll(req.grammar_key)
+            if result is None:
+                continue
+            self.pending.remove(req)
+            if isinstance(result, GrammarError):
+                self._ended.append(self._end(req, Finish(FinishKind.ABORT, str(result), status=400)))
+            else:
+                req.guide = Guide(result)
+                self.waiting.append(req)
 
     def check_accounting(self) -> None:
         self.kv.check_accounting(self._reqs_with_rows())
@@ -329,10 +366,12 @@ class Scheduler:
     def _sampling(self, reqs: list[Req]) -> SamplingBatch | None:
         if not reqs:
             return None
-        return SamplingBatch.build(
+        batch = SamplingBatch.build(
             [r.params for r in reqs], [r.prompt_ids for r in reqs], [r.output_ids for r in reqs],
             self.eos_ids, self.worker.config.vocab_size, self.device,
         )
+        batch.grammar_mask = grammar_bitmask([r.guide for r in reqs], self.worker.config.vocab_size)
+        return batch
 
     # ---- processing results ------------------------------------------------------------------
 
@@ -343,7 +382,11 @@ class Scheduler:
                 self.kv.share_prefill(req)
         self._store_prompt_logprobs(b, out)
         for i, req in enumerate(b.sampled):
-            req.output_ids.append(out.next_token_ids[i])
+            token = out.next_token_ids[i]
+            req.output_ids.append(token)
+            if req.guide is not None and token not in self.eos_ids:
+                # NOTE: is_finished() only means "accepting": more tokens may still follow
+                req.guide.advance(token, return_tokens=False)
             if req.return_logprob:
                 req.output_logprobs.append(out.logprobs[i])
                 if req.top_logprobs_num:

@@ -152,8 +152,6 @@ class TokenizerManager:
             raw["max_new_tokens"] = self.context_length - prompt_len
         params = SamplingParams.from_dict(raw)
         params.validate(self.vocab_size)
-        if params.regex is not None or params.json_schema is not None:
-            raise BadRequest("constrained decoding (regex, json_schema, response_format) is not available yet")
         if req.logprob_start_len >= prompt_len:
             raise BadRequest(f"logprob_start_len {req.logprob_start_len} must be below the prompt length {prompt_len}")
         if req.top_logprobs_num < 0 or req.top_logprobs_num > 20:

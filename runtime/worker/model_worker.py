@@ -16,6 +16,7 @@ from runtime.worker.loader import ModelSource, iter_weights, load_config
 from runtime.worker.model_config import ModelConfig
 from runtime.worker.models.llama import ARCHITECTURES
 from runtime.worker.parallel import SINGLE, TPContext
+from runtime.constrained.grammar import apply_bitmask
 from runtime.worker.sampler import Sampler, SamplingBatch
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,9 @@ class ModelWorker:
             self._prompt_logprobs(hidden[b.prompt_rows], b, out)
         if b.sample_rows.numel():
             logits = self.model.compute_logits(hidden[b.sample_rows])
+            if b.sampling.grammar_mask is not None:
+                # NOTE: constrained rows' logprobs then describe the masked distribution
+                apply_bitmask(logits, b.sampling.grammar_mask)
             s = self.sampler(logits, b.sampling, return_logprob=b.return_logprob, top_logprobs_num=b.top_logprobs_num)
             out.next_token_ids = s.next_token_ids.tolist()
             if s.logprobs is not None:

@@ -52,6 +52,7 @@ class SamplingBatch:
     min_tokens_block: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) -> -inf
     seeded_rows: list[int]  # sampled rows whose request has a seed
     step_seeds: list[int]  # per seeded row: its seed mixed with len(output_ids)
+    grammar_mask: torch.Tensor | None = None  # [B, ceil(V/32)] int32 allowed-token bits (constrained rows)
 
     @property
     def needs_processing(self) -> bool:

@@ -124,7 +124,8 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server):
     ({"input_ids": [1, 99999999]}, "input_ids"),
     ({"text": "word " * 9000}, "context length"),
     ({"text": "hi", "sampling_params": {"n": 0}}, "n must"),
-    ({"text": "hi", "sampling_params": {"regex": "a+"}}, "constrained"),
+    ({"text": "hi", "sampling_params": {"regex": "(unclosed"}}, "regex constraint"),
+    ({"text": "hi", "sampling_params": {"json_schema": "{not json"}}, "json_schema"),
 ])
 def test_bad_input_gets_400_and_server_keeps_serving(server, body, fragment):
     r = post(server, "/generate", body)

@@ -85,3 +85,20 @@ def test_errors(client, server):
             {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
     assert client.completions.create(model="default", prompt="still alive", max_tokens=1).choices
     assert_kv_clean(server.url)
+
+
+def test_response_format_json_schema(client):
+    import json
+
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 30},
+                                               "population_millions": {"type": "number"}},
+              "required": ["capital", "population_millions"]}
+    r = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Give France's capital and population as JSON."}],
+        max_tokens=80, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "country", "schema": schema}})
+    data = json.loads(r.choices[0].message.content)
+    assert isinstance(data["capital"], str) and isinstance(data["population_millions"], (int, float))
+    r = client.completions.create(model="default", prompt="A JSON object describing a cat: ", max_tokens=60,
+                                  temperature=0, extra_body={"regex": r"\{\"name\": \"[A-Za-z]{1,12}\"\}"})
+    assert json.loads(r.choices[0].text)["name"].isalpha()

@@ -1,0 +1,57 @@
+"""The constraint compiler and the per-step bitmask, on a toy vocabulary."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from outlines_core import Guide, Vocabulary
+
+from runtime.constrained.grammar import GrammarCompiler, GrammarError, apply_bitmask, grammar_bitmask
+
+TOKENS = {"a": [1], "b": [2], "ab": [3], "1": [4], "2": [5], "{": [6], "}": [7], '"': [8], "x": [40], "y": [70]}
+VOCAB = 80  # wider than 64 so rows span three mask words
+
+
+@pytest.fixture()
+def compiler():
+    c = GrammarCompiler(Vocabulary(0, TOKENS), workers=1, cache_size=2)
+    yield c
+    c.shutdown()
+
+
+def _wait(c, key):
+    c.submit(key)
+    for _ in range(500):
+        result = c.poll(key)
+        if result is not None:
+            return result
+        time.sleep(0.01)
+    raise AssertionError("compile did not finish")
+
+
+def test_mask_allows_exactly_the_guides_tokens(compiler):
+    guide = Guide(_wait(compiler, ("regex", "(a|b)+[xy]")))
+    mask = grammar_bitmask([None, guide], VOCAB)
+    logits = torch.zeros(2, VOCAB)
+    apply_bitmask(logits, mask)
+    assert torch.isfinite(logits[0]).all(), "an unconstrained row stays open"
+    allowed = set(torch.isfinite(logits[1]).nonzero().flatten().tolist())
+    assert allowed == set(guide.get_tokens()) == {1, 2, 3}
+    guide.advance(3, return_tokens=False)
+    logits = torch.zeros(1, VOCAB)
+    apply_bitmask(logits, grammar_bitmask([guide], VOCAB))
+    assert set(torch.isfinite(logits[0]).nonzero().flatten().tolist()) == {1, 2, 3, 40, 70}
+
+
+def test_errors_name_the_problem_and_results_are_cached(compiler):
+    assert isinstance(_wait(compiler, ("regex", "(unclosed")), GrammarError)
+    err = _wait(compiler, ("json_schema", "{nope"))
+    assert isinstance(err, GrammarError) and "not valid JSON" in str(err)
+    first = _wait(compiler, ("regex", "a+"))
+    assert compiler.poll(("regex", "a+")) is first  # cached
+    _wait(compiler, ("regex", "b+"))
+    _wait(compiler, ("regex", "ab"))  # cache_size 2: "a+" is evicted
+    compiler.submit(("regex", "a+"))
+    assert _wait(compiler, ("regex", "a+")) is not first
