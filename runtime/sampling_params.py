@@ -15,6 +15,9 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
 
 
+DTYPES = ("int", "float", "bool", "str")
+
+
 class SamplingParamsError(ValueError):
     """Sampling parameters a user sent are malformed or out of range."""
 
@@ -52,9 +55,10 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    # Carried only; constrained decoding reads them. At most one may be set.
+    # Constraints (runtime/constrained/); at most one may be set.
     regex: str | None = None
     json_schema: str | None = None
+    dtype: str | None = None  # one of DTYPES: the output is a literal of that type
     n: int = 1
 
     def __post_init__(self) -> None:
@@ -70,6 +74,7 @@ class SamplingParams:
         self.logit_bias = _as_logit_bias(self.logit_bias)
         self.regex = _as_optional_str("regex", self.regex)
         self.json_schema = _as_json_schema(self.json_schema)
+        self.dtype = _as_optional_str("dtype", self.dtype)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
@@ -116,8 +121,11 @@ class SamplingParams:
         _require(self.n >= 1, "n", self.n, ">= 1")
         if "" in self.stop:
             raise SamplingParamsError("stop strings must be non-empty; got an empty string in stop")
-        if self.regex is not None and self.json_schema is not None:
-            raise SamplingParamsError("regex and json_schema are mutually exclusive; set at most one")
+        constraints = [k for k in ("regex", "json_schema", "dtype") if getattr(self, k) is not None]
+        if len(constraints) > 1:
+            raise SamplingParamsError(f"{' and '.join(constraints)} are mutually exclusive; set at most one")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise SamplingParamsError(f"dtype={self.dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
         self._validate_token_ids(vocab_size)
 
     def _validate_token_ids(self, vocab_size: int | None) -> None:

@@ -11,6 +11,7 @@ unconstrained rows stay all-ones.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +25,14 @@ from runtime.sampling_params import SamplingParams
 
 ConstraintKey = tuple[str, str]  # ("regex" | "json_schema", its text)
 
+# `dtype` constraints: a literal of that type (bools and strings as Python writes them)
+DTYPE_REGEXES = {
+    "int": r"-?(0|[1-9][0-9]*)",
+    "float": r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?",
+    "bool": r"(True|False)",
+    "str": r'"([^"\\\n]|\\.)*"',
+}
+
 
 class GrammarError(ValueError):
     """The constraint cannot be used; the message names the problem."""
@@ -34,6 +43,8 @@ def constraint_key(params: SamplingParams) -> ConstraintKey | None:
         return ("regex", params.regex)
     if params.json_schema is not None:
         return ("json_schema", params.json_schema)
+    if params.dtype is not None:
+        return ("regex", DTYPE_REGEXES[params.dtype])
     return None
 
 
@@ -46,9 +57,15 @@ def to_regex(key: ConstraintKey) -> str:
     except json.JSONDecodeError as e:
         raise GrammarError(f"json_schema is not valid JSON: {e}") from None
     try:
-        return build_regex_from_schema(text)
+        regex = build_regex_from_schema(text)
     except Exception as e:  # noqa: BLE001 - outlines-core raises plain exceptions for unsupported schemas
         raise GrammarError(f"unsupported JSON schema: {e}") from None
+    # NOTE: outlines-core writes formats (date, time, ...) with \d, which its automaton reads as any
+    # Unicode digit ("🯸🯸🯸🯸-10-20" would pass); JSON Schema means ASCII digits.
+    return _ASCII_DIGIT.sub(r"\1[0-9]", regex)
+
+
+_ASCII_DIGIT = re.compile(r"(?<!\\)((?:\\\\)*)\\d")
 
 
 class GrammarCompiler:

@@ -9,6 +9,7 @@ import jsonschema
 import pytest
 
 from helpers import assert_drained
+from runtime.sampling_params import SamplingParamsError
 
 REGEXES = {
     "date": r"\d{4}-\d{2}-\d{2}",
@@ -18,14 +19,36 @@ REGEXES = {
     "word-list": r"[a-z]+(, [a-z]+){2}",
 }
 
+S = {"type": "string", "maxLength": 16}
 SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]},
+    {"type": "object", "properties": {"name": S, "age": {"type": "integer"}}, "required": ["name", "age"]},
     {"type": "object", "properties": {"ok": {"type": "boolean"}, "score": {"type": "number"}}, "required": ["ok", "score"]},
     {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"]},
     {"type": "array", "items": {"type": "integer"}, "maxItems": 4},
-    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                      "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3}},
+    {"type": "object", "properties": {"city": S, "tags": {"type": "array", "items": S, "maxItems": 3}},
      "required": ["city", "tags"]},
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {"id": {"type": "integer"}, "email": {
+        "type": "string", "maxLength": 24}}, "required": ["id", "email"]}}, "required": ["user"]},
+    {"type": "object", "properties": {"day": {"type": "string", "format": "date"}}, "required": ["day"]},
+    {"type": "object", "properties": {"when": {"type": "string", "format": "date-time"}}, "required": ["when"]},
+    {"type": "object", "properties": {"id": {"type": "string", "format": "uuid"}}, "required": ["id"]},
+    {"type": "object", "properties": {"title": S, "subtitle": S}, "required": ["title"]},  # optional field
+    {"type": "object", "properties": {"note": {"type": ["string", "null"], "maxLength": 10}}, "required": ["note"]},
+    {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer"}}, "required": ["kind", "lives"]},
+    {"type": "object", "properties": {"value": {"anyOf": [{"type": "integer"}, {"type": "boolean"}]}}, "required": ["value"]},
+    {"type": "array", "items": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+                                "required": ["x", "y"]}, "minItems": 1, "maxItems": 2},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}}, "required": ["code"]},
+    {"type": "object", "properties": {"word": {"type": "string", "minLength": 2, "maxLength": 5}}, "required": ["word"]},
+    {"type": "object", "properties": {"matrix": {"type": "array", "items": {"type": "array", "items": {"type": "integer"},
+                                                                             "maxItems": 2}, "maxItems": 2}},
+     "required": ["matrix"]},
+    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "object", "properties": {
+        "c": {"type": "boolean"}}, "required": ["c"]}}, "required": ["b"]}}, "required": ["a"]},
+    {"type": "object", "properties": {"status": {"enum": ["on", "off"]}, "level": {"enum": [1, 2, 3]}},
+     "required": ["status", "level"]},
+    {"type": "object", "properties": {"price": {"type": "number"}, "currency": {"enum": ["EUR", "USD"]},
+                                      "in_stock": {"type": "boolean"}}, "required": ["price", "currency", "in_stock"]},
 ]
 
 
@@ -53,12 +76,30 @@ def test_regex_outputs_full_match_in_a_mixed_batch(smol, temperature):
 def test_json_schema_outputs_validate(smol, temperature):
     engine = smol.engine
     prompts = [_chat(engine, "Answer in JSON: describe something.") for _ in SCHEMAS]
-    params = [{"max_new_tokens": 120, "temperature": temperature, "seed": 5, "json_schema": json.dumps(s)}
+    params = [{"max_new_tokens": 160, "temperature": temperature, "seed": 5, "json_schema": json.dumps(s)}
               for s in SCHEMAS]
-    for schema, res in zip(SCHEMAS, engine.generate(prompts, params)):
-        assert res["meta_info"]["finish_reason"]["type"] == "stop", res
-        jsonschema.validate(json.loads(res["text"]), schema)
+    free = _chat(engine, "Tell me a fact.")
+    results = engine.generate(prompts + [free], params + [{"max_new_tokens": 10, "temperature": 0}])
+    for i, (schema, res) in enumerate(zip(SCHEMAS, results)):
+        assert res["meta_info"]["finish_reason"]["type"] == "stop", (i, res["text"])
+        jsonschema.validate(json.loads(res["text"]), schema, format_checker=jsonschema.FormatChecker())
+    assert results[-1]["output_ids"] == engine.generate(free, {"max_new_tokens": 10, "temperature": 0})["output_ids"]
     assert_drained(engine)
+
+
+def test_dtype_outputs_parse(smol):
+    engine = smol.engine
+    cases = {"int": int, "float": float, "bool": lambda t: {"True": True, "False": False}[t], "str": json.loads}
+    questions = {"int": "How many legs does a spider have?", "float": "What is pi to two decimals?",
+                 "bool": "Is the sky blue?", "str": "Name one fruit, in one word."}
+    prompts = [_chat(engine, questions[name]) for name in cases]
+    results = engine.generate(prompts, [{"max_new_tokens": 48, "temperature": 0, "dtype": d} for d in cases])
+    for (name, parse), res in zip(cases.items(), results):
+        # digits are open-ended (a model may run out of tokens mid-number); the literal still parses
+        assert res["meta_info"]["finish_reason"]["type"] == "stop" or name in ("int", "float"), (name, res["text"])
+        parse(res["text"])
+    with pytest.raises(SamplingParamsError, match="dtype"):
+        engine.generate("x", {"dtype": "complex"})
 
 
 def test_bad_constraints_fail_alone(smol):
