@@ -24,6 +24,7 @@ from runtime.messages import (
     TokenizedRequest, TokenOutput,
 )
 from runtime.sampling_params import SamplingParams, SamplingParamsError
+from runtime.constrained.choices import METHODS, ChoiceGroup, choice_boundary, result_meta
 from runtime.tokenizer.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("radixlm.tokenizer")
@@ -49,6 +50,8 @@ class _InFlight:
     input_top_logprobs: list[Any] | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
+    group: ChoiceGroup | None = None  # set on the scoring requests of a `choices` request
+    group_slot: int = 0
 
 
 class TokenizerManager:
@@ -69,6 +72,7 @@ class TokenizerManager:
         self.from_scheduler = ipc.socket(self.ctx, zmq.PULL, from_scheduler, bind=True)
         self.in_flight: dict[str, _InFlight] = {}
         self.pending_control: dict[str, bytes] = {}
+        self.choice_groups: dict[str, ChoiceGroup] = {}
 
     def run_forever(self) -> None:
         poller = zmq.Poller()
@@ -95,14 +99,19 @@ class TokenizerManager:
         elif isinstance(msg, AbortRequest):
             if msg.rid in self.in_flight:
                 self.to_scheduler.send(ipc.encode(msg))
+            elif msg.rid in self.choice_groups:
+                self._abort_choices(msg.rid)
         elif isinstance(msg, ControlRequest):
             self._control(client, msg)
 
     def _admit(self, client: bytes, req: GenerateRequest) -> None:
         try:
-            if req.rid in self.in_flight:
+            if req.rid in self.in_flight or req.rid in self.choice_groups:
                 raise BadRequest(f"request id {req.rid!r} is already in flight")
             prompt_ids = self._prompt_ids(req)
+            if "choices" in (req.sampling_params or {}):
+                self._admit_choices(client, req, prompt_ids)
+                return
             params = self._sampling_params(req, len(prompt_ids))
         except (BadRequest, SamplingParamsError) as e:
             self._reply(client, ClientOutput(req.rid, finished=True, error=str(e), status=400))
@@ -114,6 +123,62 @@ class TokenizerManager:
         self.in_flight[req.rid] = _InFlight(client, req, prompt_ids, detok)
         self.to_scheduler.send(ipc.encode(TokenizedRequest(
             req.rid, prompt_ids, params, req.return_logprob, req.logprob_start_len, req.top_logprobs_num)))
+
+    def _admit_choices(self, client: bytes, req: GenerateRequest, prompt_ids: list[int]) -> None:
+        """Score each choice with a prefill-only request; answer once all are scored."""
+        raw = dict(req.sampling_params)
+        choices, method = raw.pop("choices"), raw.pop("choices_method", METHODS[0])
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise BadRequest("choices must be a non-empty list of non-empty strings")
+        if method not in METHODS:
+            raise BadRequest(f"choices_method must be one of {', '.join(METHODS)}")
+        if self.tokenizer is None:
+            raise BadRequest("choices need a tokenizer")
+        params = SamplingParams.from_dict({k: v for k, v in raw.items() if k != "max_new_tokens"} | {"max_new_tokens": 0})
+        prompt_text = self.tokenizer.decode(prompt_ids) if req.text is None else req.text
+        scored = []  # (ids, logprob start) per scoring request
+        for choice in choices:
+            full = self.tokenizer.encode(prompt_text + choice, add_special_tokens=False)
+            scored.append((full, choice_boundary(prompt_ids, full)))
+        group = ChoiceGroup(req.rid, client, choices, method, [b for _, b in scored], prompt_tokens=len(prompt_ids))
+        if method == "unconditional_likelihood_normalized":
+            # the same tokens after nothing but a start-of-text token
+            start_token = self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else self.tokenizer.eos_token_id
+            scored += [([start_token, *self.tokenizer.encode(c, add_special_tokens=False)], 1) for c in choices]
+        for i, (ids, _) in enumerate(scored):  # check everything before sending anything
+            if len(ids) >= self.context_length:
+                raise BadRequest(f"prompt plus choice {i % len(choices)} exceeds the context length")
+            if len(ids) < 2:
+                raise BadRequest(f"choice {choices[i % len(choices)]!r} is too short to score without the prompt")
+        for i, (ids, start) in enumerate(scored):
+            sub = GenerateRequest(f"{req.rid}\x00choice{i}", input_ids=ids, return_logprob=True, logprob_start_len=start)
+            self.in_flight[sub.rid] = _InFlight(client, sub, ids, None, group=group, group_slot=i)
+            self.to_scheduler.send(ipc.encode(TokenizedRequest(sub.rid, ids, params, True, start, 0)))
+        self.choice_groups[req.rid] = group
+
+    def _abort_choices(self, rid: str) -> None:
+        group = self.choice_groups.pop(rid)
+        for sub_rid in [r for r, st in self.in_flight.items() if st.group is group]:
+            del self.in_flight[sub_rid]
+            self.to_scheduler.send(ipc.encode(AbortRequest(sub_rid)))
+        self._reply(group.client, ClientOutput(rid, "", [], {"id": rid, "finish_reason": {
+            "type": "abort", "message": "aborted"}}, True))
+
+    def _choice_scored(self, st: _InFlight, out: TokenOutput) -> None:
+        group, n = st.group, len(st.group.choices)
+        logprobs = [lp for lp, _ in (st.input_logprobs or []) if lp is not None]
+        if st.group_slot < n:
+            group.conditional[st.group_slot] = logprobs
+            group.cached_tokens = max(group.cached_tokens, out.cached_tokens)
+        else:
+            group.unconditional[st.group_slot - n] = logprobs
+        if not group.complete:
+            return
+        del self.choice_groups[group.rid]
+        best, meta = result_meta(group)
+        meta.update({"id": group.rid, "prompt_tokens": group.prompt_tokens, "completion_tokens": 0,
+                     "cached_tokens": group.cached_tokens, "finish_reason": {"type": "stop", "matched": None}})
+        self._reply(group.client, ClientOutput(group.rid, group.choices[best], [], meta, True))
 
     def _prompt_ids(self, req: GenerateRequest) -> list[int]:
         given = [x is not None for x in (req.text, req.input_ids, req.messages)]
@@ -188,7 +253,10 @@ class TokenizerManager:
         reason = out.finish_reason
         if reason is not None and reason.get("status"):  # refused by the scheduler
             del self.in_flight[out.rid]
-            self._reply(st.client, ClientOutput(out.rid, finished=True, error=reason["message"], status=reason["status"]))
+            rid = st.group.rid if st.group is not None else out.rid
+            if st.group is not None and self.choice_groups.pop(rid, None) is None:
+                return  # the group already failed
+            self._reply(st.client, ClientOutput(rid, finished=True, error=reason["message"], status=reason["status"]))
             return
         st.token_ids.extend(out.new_token_ids)
         if st.first_token is None and out.new_token_ids:
@@ -200,6 +268,11 @@ class TokenizerManager:
             st.input_logprobs = [[lp, t] for lp, t in zip(out.input_logprobs, st.prompt_ids[start:])]
             st.input_top_logprobs = out.input_top_logprobs
         finished = reason is not None
+        if st.group is not None:  # a choice's scoring request
+            if finished:
+                del self.in_flight[out.rid]
+                self._choice_scored(st, out)
+            return
         if st.detok is not None:
             st.text += st.detok.add(out.new_token_ids, flush=finished)
             if st.detok.stopped_on is not None and not finished:
