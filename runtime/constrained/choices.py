@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-METHODS = ("token_length_normalized", "unconditional_likelihood_normalized")
+METHODS = ("token_length_normalized", "greedy_token", "unconditional_likelihood_normalized")
 
 
 @dataclass
@@ -25,11 +25,13 @@ class ChoiceGroup:
     boundaries: list[int]  # where each choice's tokens start in its request
     conditional: list[list[float] | None] = field(default_factory=list)
     unconditional: list[list[float] | None] = field(default_factory=list)
+    greedy_runs: list[int] = field(default_factory=list)  # leading choice tokens that were the argmax
     prompt_tokens: int = 0
     cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.conditional = [None] * len(self.choices)
+        self.greedy_runs = [0] * len(self.choices)
         needs_plain = self.method == "unconditional_likelihood_normalized"
         self.unconditional = [None] * len(self.choices) if needs_plain else []
 
@@ -49,9 +51,20 @@ def choice_boundary(prompt_ids: Sequence[int], full_ids: Sequence[int]) -> int:
     return max(min(n, len(full_ids) - 1), 1)
 
 
+def greedy_run(token_logprobs: Sequence[Sequence[Any]], top1: Sequence[Sequence[Sequence[Any]] | None]) -> int:
+    """How many of the choice's first tokens are each the model's top-1 token at their position."""
+    run = 0
+    for (_, token), top in zip(token_logprobs, top1):
+        if not top or top[0][1] != token:
+            break
+        run += 1
+    return run
+
+
 def scores(group: ChoiceGroup) -> list[float]:
     """Higher is better. Mean logprob of the choice's tokens given the prompt; for the
-    unconditional method, minus their mean logprob without the prompt."""
+    unconditional method, minus their mean logprob without the prompt; for greedy_token,
+    the mean logprob (the selection ranks by greedy run first)."""
     cond = [sum(lps) / len(lps) for lps in group.conditional]
     if group.method != "unconditional_likelihood_normalized":
         return cond
@@ -59,13 +72,19 @@ def scores(group: ChoiceGroup) -> list[float]:
 
 
 def result_meta(group: ChoiceGroup) -> tuple[int, dict[str, Any]]:
-    """The selected index and the meta_info that reports every choice's score."""
+    """The selected index and the meta_info that reports every choice's score.
+
+    greedy_token picks the choice that greedy decoding follows furthest (ties: higher mean logprob)."""
     s = scores(group)
-    best = max(range(len(s)), key=s.__getitem__)
+    if group.method == "greedy_token":
+        best = max(range(len(s)), key=lambda i: (group.greedy_runs[i], s[i]))
+    else:
+        best = max(range(len(s)), key=s.__getitem__)
     return best, {
         "choices": group.choices,
         "selected_index": best,
         "normalized_scores": s,
         "choice_token_logprobs": group.conditional,
         "method": group.method,
+        **({"greedy_runs": group.greedy_runs} if group.method == "greedy_token" else {}),
     }

@@ -24,7 +24,7 @@ from runtime.messages import (
     TokenizedRequest, TokenOutput,
 )
 from runtime.sampling_params import SamplingParams, SamplingParamsError
-from runtime.constrained.choices import METHODS, ChoiceGroup, choice_boundary, result_meta
+from runtime.constrained.choices import METHODS, ChoiceGroup, choice_boundary, greedy_run, result_meta
 from runtime.tokenizer.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("radixlm.tokenizer")
@@ -153,7 +153,8 @@ class TokenizerManager:
         for i, (ids, start) in enumerate(scored):
             sub = GenerateRequest(f"{req.rid}\x00choice{i}", input_ids=ids, return_logprob=True, logprob_start_len=start)
             self.in_flight[sub.rid] = _InFlight(client, sub, ids, None, group=group, group_slot=i)
-            self.to_scheduler.send(ipc.encode(TokenizedRequest(sub.rid, ids, params, True, start, 0)))
+            top = 1 if method == "greedy_token" else 0
+            self.to_scheduler.send(ipc.encode(TokenizedRequest(sub.rid, ids, params, True, start, top)))
         self.choice_groups[req.rid] = group
 
     def _abort_choices(self, rid: str) -> None:
@@ -170,6 +171,8 @@ class TokenizerManager:
         if st.group_slot < n:
             group.conditional[st.group_slot] = logprobs
             group.cached_tokens = max(group.cached_tokens, out.cached_tokens)
+            if group.method == "greedy_token":
+                group.greedy_runs[st.group_slot] = greedy_run(st.input_logprobs or [], st.input_top_logprobs or [])
         else:
             group.unconditional[st.group_slot - n] = logprobs
         if not group.complete:

@@ -54,3 +54,29 @@ def test_unconditional_method_and_bad_choices(server):
         r = httpx.post(server.url + "/generate", json={"text": prompt, "sampling_params": bad}, timeout=60)
         assert r.status_code == 400, r.text
     assert_kv_clean(server.url)
+
+
+def test_greedy_token_method_follows_hf_argmax(server, smol):
+    from runtime.constrained.choices import choice_boundary
+
+    prompt = CHAT.format("What is the capital of France?")
+    choices = ["The capital of France is Paris.", "Paris", "I don't know."]
+    res = httpx.post(server.url + "/generate", json={"text": prompt, "sampling_params": {
+        "choices": choices, "choices_method": "greedy_token"}}, timeout=120).json()
+    tok = smol.engine.tokenizer
+    prompt_ids = tok.encode(prompt, add_special_tokens=False)
+    keys = []
+    for c in choices:
+        full = tok.encode(prompt + c, add_special_tokens=False)
+        start = choice_boundary(prompt_ids, full)
+        with torch.inference_mode():
+            lp = torch.log_softmax(smol.hf(torch.tensor([full])).logits[0].float(), dim=-1)
+        run = 0
+        for i in range(start, len(full)):
+            if int(lp[i - 1].argmax()) != full[i]:
+                break
+            run += 1
+        keys.append((run, _hf_normalised(smol, prompt_ids, full, start)))
+    best = max(range(len(choices)), key=keys.__getitem__)
+    assert res["meta_info"]["greedy_runs"] == [k[0] for k in keys]
+    assert res["meta_info"]["selected_index"] == best and res["text"] == choices[best]
