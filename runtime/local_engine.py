@@ -7,12 +7,12 @@ the engine's API stays the same.)
 
 from __future__ import annotations
 
-import uuid
-from typing import Any, Sequence
+from typing import Any
 
 from runtime.args import ServerArgs
 from runtime.constrained.grammar import compiler_factory
-from runtime.messages import TokenizedRequest, TokenOutput
+from runtime.messages import GenerateRequest, TokenizedRequest, TokenOutput
+from runtime.native import GenerateAPI
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler.scheduler import Scheduler
 from runtime.tokenizer.loader import load_tokenizer
@@ -20,7 +20,7 @@ from runtime.worker.loader import resolve_model
 from runtime.worker.model_worker import ModelWorker
 
 
-class LocalEngine:
+class LocalEngine(GenerateAPI):
     def __init__(self, model_path: str | None = None, *, tokenizer: Any = None, model: Any = None,
                  **kwargs: Any) -> None:
         """Options are ServerArgs fields. `tokenizer` / `model`: already-loaded ones to reuse
@@ -44,44 +44,20 @@ class LocalEngine:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    def generate(
-        self,
-        prompt: str | Sequence[str] | None = None,
-        sampling_params: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
-        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
-        return_logprob: bool = False,
-        logprob_start_len: int = -1,
-        top_logprobs_num: int = 0,
-    ) -> dict[str, Any] | list[dict[str, Any]]:
-        """Generate for one prompt (returns a dict) or a batch (returns a list of dicts).
+    def _run_requests(self, reqs: list[GenerateRequest]) -> list[dict[str, Any]]:
+        return self.run([self._tokenized(r) for r in reqs])
 
-        Each result has `text`, `output_ids` and `meta_info` (id, prompt_tokens,
-        completion_tokens, cached_tokens, finish_reason and, when asked, logprobs).
-        """
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt or input_ids")
-        single = isinstance(prompt, str) or (input_ids is not None and (not input_ids or isinstance(input_ids[0], int)))
-        if prompt is not None:
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer (skip_tokenizer_init): give input_ids")
-            prompts = [prompt] if single else list(prompt)
-            id_lists = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    def _tokenized(self, req: GenerateRequest) -> TokenizedRequest:
+        if req.input_ids is not None:
+            ids = req.input_ids
+        elif self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer (skip_tokenizer_init): give input_ids")
         else:
-            id_lists = [list(input_ids)] if single else [list(x) for x in input_ids]
-        params = self._params_per_prompt(sampling_params, len(id_lists))
-        requests = [
-            TokenizedRequest(uuid.uuid4().hex, ids, p, return_logprob, logprob_start_len, top_logprobs_num)
-            for ids, p in zip(id_lists, params)
-        ]
-        results = self.run(requests)
-        return results[0] if single else results
-
-    def _params_per_prompt(self, sp: Any, n: int) -> list[SamplingParams]:
-        if isinstance(sp, (list, tuple)):
-            if len(sp) != n:
-                raise ValueError(f"got {len(sp)} sampling_params for {n} prompts")
-            return [SamplingParams.from_dict(d) for d in sp]
-        return [SamplingParams.from_dict(sp) for _ in range(n)]
+            text = req.text if req.text is not None else self.apply_chat_template(req.messages)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        params = SamplingParams.from_dict(req.sampling_params)
+        return TokenizedRequest(req.rid, list(ids), params, req.return_logprob, req.logprob_start_len,
+                                req.top_logprobs_num)
 
     def run(self, requests: list[TokenizedRequest]) -> list[dict[str, Any]]:
         """Submit tokenized requests, step the scheduler until they finish, and return their results in order."""

@@ -6,7 +6,8 @@ Shared by the HTTP server's /generate (and its OpenAI endpoints) and by `Engine`
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from abc import ABC, abstractmethod
+from typing import Any, Sequence
 
 from runtime.messages import ClientOutput, GenerateRequest
 
@@ -83,3 +84,35 @@ def _int(body: dict[str, Any], key: str, default: int) -> int:
 
 def native_result(out: ClientOutput) -> dict[str, Any]:
     return {"text": out.text, "output_ids": out.token_ids, "meta_info": out.meta_info}
+
+
+class GenerateAPI(ABC):
+    """`generate(...)` of the Python engines, as a native body: both engines take the same
+    arguments and return the same shapes as /generate."""
+
+    def generate(
+        self,
+        prompt: str | Sequence[str] | None = None,
+        sampling_params: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
+        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """One prompt -> a dict; a batch -> a list (n > 1: n per prompt, prompt-major). Each result
+        has `text`, `output_ids` and `meta_info` (id, prompt/completion/cached tokens,
+        finish_reason and, when asked, logprobs). Raises ValueError for refused input."""
+        body: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob,
+                                "logprob_start_len": logprob_start_len, "top_logprobs_num": top_logprobs_num}
+        if prompt is not None:
+            body["text"] = prompt if isinstance(prompt, str) else list(prompt)
+        if input_ids is not None:
+            batch = bool(input_ids) and not isinstance(input_ids[0], int)
+            body["input_ids"] = [list(x) for x in input_ids] if batch else list(input_ids)
+        reqs, single = native_requests(body)
+        results = self._run_requests(reqs)
+        return results[0] if single else results
+
+    @abstractmethod
+    def _run_requests(self, reqs: list[GenerateRequest]) -> list[dict[str, Any]]:
+        """Run every request to the end; results in order, in native_result's shape."""
