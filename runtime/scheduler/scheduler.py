@@ -14,11 +14,15 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-
 from outlines_core import Guide
 
 from runtime.args import ServerArgs
-from runtime.constrained.grammar import GrammarCompiler, GrammarError, constraint_key, grammar_bitmask
+from runtime.constrained.grammar import (
+    GrammarCompiler,
+    GrammarError,
+    constraint_key,
+    grammar_bitmask,
+)
 from runtime.messages import TokenizedRequest, TokenOutput
 from runtime.scheduler.kv_manager import KVManager, pages_for
 from runtime.scheduler.policy import Budget, order_waiting, reserved_decode_tokens
@@ -188,11 +192,18 @@ class Scheduler:
             lens.append(n)
         share_in_batch = self.args.schedule_policy in ("lpm", "dfs-weight") and not self.args.disable_radix_cache
         room = self.args.max_running_requests - len(self.running) - len(reqs)
-        candidates = order_waiting(self.args.schedule_policy, self.waiting, self.kv.match_len) if room > 0 else []
+        matches: dict[int, tuple[int, object]] = {}  # one prefix match per request per step
+
+        def match(req: Req) -> tuple[int, object]:
+            if id(req) not in matches:
+                matches[id(req)] = self.kv.match_len(req)
+            return matches[id(req)]
+
+        candidates = order_waiting(self.args.schedule_policy, self.waiting, match) if room > 0 else []
         for req in candidates:
             if len(self.running) + len(reqs) >= self.args.max_running_requests or self.chunked is not None:
                 break
-            if share_in_batch and self._shares_uncached_prefix(req, reqs):
+            if share_in_batch and reqs and self._shares_uncached_prefix(req, match(req)[0], reqs):
                 continue  # next step its prefix will be cached by the request it shares with
             n = self._try_admit(req, budget, first=not reqs)
             if n == 0:
@@ -204,12 +215,11 @@ class Scheduler:
             return None
         return self._extend_batch(reqs, lens)
 
-    def _shares_uncached_prefix(self, req: Req, batch: list[Req]) -> bool:
-        """Whether `req` shares at least IN_BATCH_SHARE_MIN tokens past its cached prefix with
+    @staticmethod
+    def _shares_uncached_prefix(req: Req, cached: int, batch: list[Req]) -> bool:
+        """Whether `req` shares at least IN_BATCH_SHARE_MIN tokens past its `cached` prefix with
         a request already in this batch: prefilled together, neither would reuse the other."""
-        if not batch:
-            return False
-        end = self.kv.match_len(req)[0] + IN_BATCH_SHARE_MIN
+        end = cached + IN_BATCH_SHARE_MIN
         if end > req.seq_len - 1:
             return False
         head = req.tokens(0, end)

@@ -19,19 +19,28 @@ import zmq
 
 from runtime import ipc
 from runtime.args import ServerArgs
-from runtime.messages import (
-    AbortRequest, BatchTokenOutput, ClientOutput, ControlOutput, ControlRequest, GenerateRequest,
-    TokenizedRequest, TokenOutput,
+from runtime.constrained.choices import (
+    METHODS,
+    ChoiceGroup,
+    choice_boundary,
+    greedy_run,
+    result_meta,
 )
+from runtime.messages import (
+    AbortRequest,
+    BatchTokenOutput,
+    ClientOutput,
+    ControlOutput,
+    ControlRequest,
+    GenerateRequest,
+    TokenizedRequest,
+    TokenOutput,
+)
+from runtime.native import BadRequest
 from runtime.sampling_params import SamplingParams, SamplingParamsError
-from runtime.constrained.choices import METHODS, ChoiceGroup, choice_boundary, greedy_run, result_meta
 from runtime.tokenizer.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("radixlm.tokenizer")
-
-
-class BadRequest(ValueError):
-    pass
 
 
 @dataclass
