@@ -16,6 +16,7 @@ from runtime.messages import ClientOutput, GenerateRequest
 from runtime.native import BadRequest, native_requests, native_result
 from runtime.server.metrics import Metrics
 
+
 class HTTPError(Exception):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
