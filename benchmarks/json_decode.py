@@ -2,10 +2,13 @@
 
     python benchmarks/json_decode.py [--requests 50] [--quick]
 
-Prints tokens/s, batch steps (forward passes) and tokens per request for: JSON-schema constrained,
-and unconstrained with the same prompts. (Jump-forward, when it lands, adds a
-third row.) Both run in one process on one set of weights, so the ratio is
-what to read.
+Prints tokens/s, batch steps, forward passes per request and tokens per request for:
+JSON-schema constrained with jump-forward (forced text appended in one extend
+step), constrained token by token, and unconstrained with the same prompts. All
+run in one process on one set of weights, so the ratios are what to read.
+The constrained pair runs twice: all requests at once (a batch of 50: a CPU
+step is compute-bound there) and 10 of them one at a time (latency: a step of
+one request costs about the same for 1 token or 10).
 """
 
 from __future__ import annotations
@@ -44,23 +47,20 @@ def prompts(engine: LocalEngine, n: int) -> list[str]:
     return out
 
 
-def run(engine: LocalEngine, texts: list[str], params: dict) -> dict:
-    steps = [0]
-    forward = engine.worker.forward
-
-    def counting(batch):
-        steps[0] += 1
-        return forward(batch)
-
-    engine.worker.forward = counting
+def run(engine: LocalEngine, texts: list[str], params: dict, jump_forward: bool = True,
+        one_at_a_time: bool = False) -> dict:
+    sched = engine.scheduler
+    sched.jump_forward = jump_forward
     engine.flush_cache()
+    steps, passes, jumped = sched.forward_passes, sched.request_passes, sched.jumped_tokens
     start = time.perf_counter()
-    results = engine.generate(texts, params)
+    results = [engine.generate(t, params) for t in texts] if one_at_a_time else engine.generate(texts, params)
     wall = time.perf_counter() - start
-    engine.worker.forward = forward
     tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
     valid = sum(_valid(r["text"]) for r in results)
-    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": steps[0], "valid_json": valid}
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": sched.forward_passes - steps,
+            "passes": (sched.request_passes - passes) / len(texts), "jumped": sched.jumped_tokens - jumped,
+            "valid_json": valid}
 
 
 def _valid(text: str) -> bool:
@@ -80,19 +80,30 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     engine = LocalEngine(max_total_tokens=60000)
     texts = prompts(engine, n)
-    engine.generate(texts[:1], {"max_new_tokens": 4, "json_schema": json.dumps(SCHEMA)})  # compile + warm up
     base = {"max_new_tokens": 128, "temperature": 0}
+    constrained = {**base, "json_schema": json.dumps(SCHEMA)}
+    run(engine, texts, constrained)  # warm up: compile the schema, find its forced texts
+    solo = texts[:10]
     rows = {
-        "json_schema": run(engine, texts, {**base, "json_schema": json.dumps(SCHEMA)}),
+        "json, jump-forward": run(engine, texts, constrained),
+        "json, token by token": run(engine, texts, constrained, jump_forward=False),
         "unconstrained": run(engine, texts, base),
+        "1-by-1 jump-forward": run(engine, solo, constrained, one_at_a_time=True),
+        "1-by-1 token by token": run(engine, solo, constrained, jump_forward=False, one_at_a_time=True),
     }
     print(f"{n} requests, SmolLM2-135M fp32, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}")
-    print(f"{'mode':<14} | {'wall s':>7} | {'tokens':>6} | {'tok/s':>6} | {'batch steps':>11} | {'tokens/req':>10} | valid JSON")
+    print(f"{'mode':<21} | {'wall s':>6} | {'tokens':>6} | {'tok/s':>6} | {'batch steps':>11} | {'passes/req':>10} "
+          f"| {'tokens/req':>10} | {'jumped':>6} | valid JSON")
     for name, r in rows.items():
-        print(f"{name:<14} | {r['wall_s']:7.1f} | {r['tokens']:6d} | {r['tok_s']:6.1f} | {r['steps']:11d} | "
-              f"{r['tokens'] / n:10.1f} | {r['valid_json']}/{n}")
-    ratio = rows["json_schema"]["tok_s"] / rows["unconstrained"]["tok_s"]
-    print(f"constrained / unconstrained tokens/s: {ratio:.2f}x")
+        m = len(solo) if name.startswith("1-by-1") else n
+        print(f"{name:<21} | {r['wall_s']:6.1f} | {r['tokens']:6d} | {r['tok_s']:6.1f} | {r['steps']:11d} | "
+              f"{r['passes']:10.1f} | {r['tokens'] / m:10.1f} | {r['jumped']:6d} | {r['valid_json']}/{m}")
+    jf, tbt, free, jf1, tbt1 = rows.values()
+    for label, a, b in (("batch", jf, tbt), ("one at a time", jf1, tbt1)):
+        print(f"jump-forward / token by token, {label}: tokens/s {a['tok_s'] / b['tok_s']:.2f}x, "
+              f"wall {b['wall_s'] / a['wall_s']:.2f}x faster, passes/req {a['passes'] / b['passes']:.2f}x")
+    print(f"constrained / unconstrained tokens/s: jump-forward {jf['tok_s'] / free['tok_s']:.2f}x, "
+          f"token by token {tbt['tok_s'] / free['tok_s']:.2f}x")
 
 
 if __name__ == "__main__":

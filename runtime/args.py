@@ -27,6 +27,8 @@ class ServerArgs:
     max_prefill_tokens: int = field(default=16384, metadata={"help": "most tokens in one prefill batch"})
     schedule_policy: str = field(default="lpm", metadata={"help": "one of " + ", ".join(SCHEDULE_POLICIES)})
     disable_radix_cache: bool = field(default=False, metadata={"help": "no prefix sharing"})
+    disable_jump_forward: bool = field(default=False, metadata={
+        "help": "decode text a constraint forces token by token instead of appending it in one step"})
     attention_backend: str = field(default="auto", metadata={"help": "torch or triton (auto: torch on CPU, triton on CUDA)"})
     random_seed: int = field(default=0, metadata={"help": "seed of the global sampling generator"})
     init_new_token_ratio: float = field(default=0.7, metadata={"help": "share of max_new_tokens reserved per running request at admission"})

@@ -74,7 +74,10 @@ class LocalEngine(GenerateAPI):
         return [self._result(tr, collected[tr.rid]) for tr in requests]
 
     def _result(self, tr: TokenizedRequest, outs: list[TokenOutput]) -> dict[str, Any]:
-        ids = [t for o in outs for t in o.new_token_ids]
+        ids: list[int] = []
+        for o in outs:
+            del ids[len(ids) - o.replaced:]
+            ids.extend(o.new_token_ids)
         last = outs[-1]
         params = tr.sampling_params
         text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens) if self.tokenizer else ""

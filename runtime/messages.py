@@ -96,6 +96,9 @@ class TokenOutput:
     completion_tokens: int
     cached_tokens: int
     finish_reason: dict[str, Any] | None = None  # {"type": "stop"|"length"|"abort", "matched"/"length"/"message": ...}
+    # how many earlier-reported output tokens new_token_ids replace: jump-forward re-encodes the
+    # last tokens together with forced text (the text stays the same, the ids may change)
+    replaced: int = 0
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     # prompt logprobs come once, with the first output after the prefill

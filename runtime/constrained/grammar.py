@@ -2,9 +2,10 @@
 per-step token bitmask of a batch.
 
 A request with `regex` or `json_schema` waits in the scheduler's pending list
-while a worker thread builds its Index (cached by constraint, LRU); it then
-carries its own `Guide` (the automaton's state), advanced by every token it
-samples. Each step the constrained rows of the batch get one bitmask row each;
+while a worker thread builds its Index (cached by constraint, LRU, as a
+`Grammar` that also remembers its forced continuations for jump-forward); it
+then carries its own `Guide` (the automaton's state), advanced by every token
+it samples. Each step the constrained rows of the batch get one bitmask row each;
 unconstrained rows stay all-ones.
 """
 
@@ -15,12 +16,13 @@ import re
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from outlines_core import Guide, Index, Vocabulary
 from outlines_core.json_schema import build_regex_from_schema
 
+from runtime.constrained.jump_forward import Grammar, JumpForward
 from runtime.sampling_params import SamplingParams
 
 ConstraintKey = tuple[str, str]  # ("regex" | "json_schema", its text)
@@ -53,11 +55,11 @@ def to_regex(key: ConstraintKey) -> str:
     if kind == "regex":
         return text
     try:
-        json.loads(text)
+        schema = json.loads(text)
     except json.JSONDecodeError as e:
         raise GrammarError(f"json_schema is not valid JSON: {e}") from None
     try:
-        regex = build_regex_from_schema(text)
+        regex = build_regex_from_schema(json.dumps(_strict_formats(schema)))
     except Exception as e:  # noqa: BLE001 - outlines-core raises plain exceptions for unsupported schemas
         raise GrammarError(f"unsupported JSON schema: {e}") from None
     # NOTE: outlines-core writes formats (date, time, ...) with \d, which its automaton reads as any
@@ -67,16 +69,36 @@ def to_regex(key: ConstraintKey) -> str:
 
 _ASCII_DIGIT = re.compile(r"(?<!\\)((?:\\\\)*)\\d")
 
+# RFC 3339, as JSON Schema's date-time and time mean (outlines-core makes the offset optional)
+_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_FORMAT_PATTERNS = {
+    "date-time": rf"^[0-9]{{4}}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T{_TIME}$",
+    "time": rf"^{_TIME}$",
+}
+
+
+def _strict_formats(node: object) -> object:
+    """The schema with `date-time` and `time` strings written as RFC 3339 patterns."""
+    if isinstance(node, list):
+        return [_strict_formats(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _strict_formats(v) for k, v in node.items()}
+    if out.get("format") in _FORMAT_PATTERNS and "pattern" not in out:
+        out["pattern"] = _FORMAT_PATTERNS[out.pop("format")]
+    return out
+
 
 class GrammarCompiler:
     """Builds Indexes in a thread pool; `poll` answers without waiting."""
 
     def __init__(self, vocabulary: Vocabulary, workers: int = 2, cache_size: int = 256,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, jump_forward: JumpForward | None = None) -> None:
         self.vocabulary = vocabulary
+        self.jump_forward = jump_forward
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="radixlm-grammar")
-        self._cache: OrderedDict[ConstraintKey, Index] = OrderedDict()
+        self._cache: OrderedDict[ConstraintKey, Grammar] = OrderedDict()
         self._cache_size = cache_size
         self._compiling: dict[ConstraintKey, tuple[Future, float]] = {}
 
@@ -85,15 +107,15 @@ class GrammarCompiler:
             return
         self._compiling[key] = (self._pool.submit(self._compile, key), time.monotonic())
 
-    def _compile(self, key: ConstraintKey) -> Index:
+    def _compile(self, key: ConstraintKey) -> Grammar:
         regex = to_regex(key)
         try:
-            return Index(regex, self.vocabulary)
+            return Grammar(Index(regex, self.vocabulary))
         except Exception as e:  # noqa: BLE001 - invalid regex, or one no token sequence can match
             raise GrammarError(f"cannot compile the {key[0]} constraint: {e}") from None
 
-    def poll(self, key: ConstraintKey) -> Index | GrammarError | None:
-        """The Index when ready, the error if compiling failed or timed out, else None."""
+    def poll(self, key: ConstraintKey) -> Grammar | GrammarError | None:
+        """The Grammar when ready, the error if compiling failed or timed out, else None."""
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
@@ -128,11 +150,26 @@ def compiler_factory(tokenizer: object, vocab_size: int, eos_token_ids: Sequence
     """A zero-argument maker of the GrammarCompiler, for the scheduler to call on first use."""
 
     def make() -> GrammarCompiler:
-        from runtime.constrained.vocabulary import build_vocabulary
+        from runtime.constrained.vocabulary import build_vocabulary, token_bytes
 
-        return GrammarCompiler(build_vocabulary(tokenizer, vocab_size, eos_token_ids))
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False)
+
+        jump = JumpForward(token_bytes(tokenizer, vocab_size, eos_token_ids), eos_token_ids[0], encode,
+                           pre_splitter(tokenizer))
+        return GrammarCompiler(build_vocabulary(tokenizer, vocab_size, eos_token_ids), jump_forward=jump)
 
     return make
+
+
+def pre_splitter(tokenizer: object) -> Callable[[str], list[int]] | None:
+    """Where a fast tokenizer's pre-tokens start (character offsets), or None when it has no
+    pre-tokenizer or normalizes text first (offsets would not be into the text itself)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    pre = getattr(backend, "pre_tokenizer", None)
+    if pre is None or backend.normalizer is not None:
+        return None
+    return lambda text: [start for _, (start, _) in pre.pre_tokenize_str(text)]
 
 
 def grammar_bitmask(guides: Sequence[Guide | None], vocab_size: int) -> torch.Tensor | None:

@@ -63,19 +63,23 @@ def build_vocabulary(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[in
     """
     if not eos_token_ids:
         raise ValueError("build_vocabulary needs at least one EOS token id")
+    groups: dict[bytes, list[int]] = {}
+    for token_id, raw in enumerate(token_bytes(tokenizer, vocab_size, eos_token_ids)):
+        if raw:  # an empty token would let the guide loop in place forever
+            groups.setdefault(raw, []).append(token_id)  # ids ascend: the Vocabulary is deterministic
+    return Vocabulary(eos_token_ids[0], groups)
+
+
+def token_bytes(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> list[bytes | None]:
+    """Every id's raw bytes in generated text; None for ids a guide never allows (specials, EOS, absent)."""
     vocab = tokenizer.get_vocab()
     to_bytes = token_decoder(detect_style(tokenizer, vocab))
     excluded = special_token_ids(tokenizer) | set(eos_token_ids)
-    groups: dict[bytes, list[int]] = {}
+    table: list[bytes | None] = [None] * vocab_size
     for token, token_id in vocab.items():
-        if token_id >= vocab_size or token_id in excluded:
-            continue
-        raw = to_bytes(token)
-        if raw:  # an empty token would let the guide loop in place forever
-            groups.setdefault(raw, []).append(token_id)
-    for ids in groups.values():
-        ids.sort()  # get_vocab() order is arbitrary; keep the Vocabulary deterministic
-    return Vocabulary(eos_token_ids[0], groups)
+        if token_id < vocab_size and token_id not in excluded:
+            table[token_id] = to_bytes(token)
+    return table
 
 
 def special_token_ids(tokenizer: Any) -> set[int]:

@@ -73,6 +73,17 @@ class KVManager:
         self.table.free_row(req.row)
         req.row, req.node, req.prefix_len, req.cached_len = None, None, 0, 0
 
+    def truncate(self, req: Req, length: int) -> None:
+        """Drop a request's KV from position `length` on (its own pages only), e.g. when
+        jump-forward re-encodes its last tokens; the pages past the new end are freed."""
+        assert req.prefix_len <= length <= req.cached_len, (req, length)
+        p = self.page_size
+        first_free = pages_for(length, p) * p  # the page holding position length - 1 stays
+        if first_free < req.cached_len:
+            pages = self.table.table[req.row, first_free : req.cached_len : p] // p
+            self.allocator.free(pages)
+        req.cached_len = length
+
     def share_prefill(self, req: Req) -> None:
         """After a prefill step, put the request's KV so far into the prefix cache so that
         requests arriving while it decodes can share it."""

@@ -62,7 +62,9 @@ class Req:
         self.input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
         self.input_logprobs_sent = False
         self.grammar_key: tuple[str, str] | None = None  # constraint, while its index compiles
+        self.grammar: Any = None  # its compiled Grammar, once ready
         self.guide: Any = None  # outlines-core Guide: the constraint automaton's state
+        self.replaced = 0  # already reported output tokens that jump-forward re-encoded, to report
 
     @property
     def prompt_len(self) -> int:

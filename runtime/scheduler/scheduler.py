@@ -1,7 +1,9 @@
 """The scheduler: one event loop step at a time, it picks a batch, runs it, and processes the results.
 
 Prefill goes first (chunked when a prompt is longer than the chunk budget), else
-every running request decodes one token. Requests are admitted only when their
+every running request decodes one token; when jump-forward appended forced text
+to some of them, that step is one extend batch instead, in which those requests
+compute the KV of all their new tokens and the others of their one. Requests are admitted only when their
 KV fits; when decode runs out of pages the least advanced requests are
 retracted to the front of the queue (their tokens kept) and prefilled again
 later. The scheduler does no I/O: `add_request`, `abort` and `step` are its API.
@@ -23,6 +25,7 @@ from runtime.constrained.grammar import (
     constraint_key,
     grammar_bitmask,
 )
+from runtime.constrained.jump_forward import RETOKENIZE_TOKENS, Forced, JumpForward
 from runtime.messages import TokenizedRequest, TokenOutput
 from runtime.scheduler.kv_manager import KVManager, pages_for
 from runtime.scheduler.policy import Budget, order_waiting, reserved_decode_tokens
@@ -50,6 +53,7 @@ class ScheduledBatch:
     extend_lens: list[int]
     sampled: list[Req]  # requests that get a new token from this step, in sample-row order
     logprob_spans: list[tuple[Req, int, int]]  # (req, first prompt position, count) of prompt logprobs computed
+    mixed: bool = False  # decode step as an extend batch, for requests jump-forward extended
 
 
 class Scheduler:
@@ -74,6 +78,11 @@ class Scheduler:
         self.new_token_ratio = args.init_new_token_ratio
         self._arrivals = 0
         self.num_retractions = 0
+        self.jump_forward = not args.disable_jump_forward
+        # counters: batches run, the sum of their sizes (a request's forward passes), tokens jumped
+        self.forward_passes = 0
+        self.request_passes = 0
+        self.jumped_tokens = 0
         self._ended: list[TokenOutput] = []  # outputs of requests ended while scheduling
         self._live: dict[str, Req] = {}  # every request not yet ended, by id
 
@@ -132,13 +141,15 @@ class Scheduler:
         """Run one batch; returns the outputs of every request that advanced."""
         if self.pending:
             self._promote_compiled()
-        batch = self._schedule_prefill() or self._schedule_decode()
+        batch = self._schedule_prefill() or self._schedule_jumped() or self._schedule_decode()
         if batch is None:
             if self.pending and not self._ended:
                 self.grammar.wait_any(timeout=0.05)  # nothing to run until a constraint compiles
             ended, self._ended = self._ended, []
             return ended
         result = self.worker.forward(self._to_worker_batch(batch))
+        self.forward_passes += 1
+        self.request_passes += len(batch.reqs)
         outputs = self._process(batch, result)
         if self.args.debug_accounting:
             self.check_accounting()
@@ -154,7 +165,8 @@ class Scheduler:
             if isinstance(result, GrammarError):
                 self._ended.append(self._end(req, Finish(FinishKind.ABORT, str(result), status=400)))
             else:
-                req.guide = Guide(result)
+                req.grammar = result
+                req.guide = Guide(result.index, max_rollback=RETOKENIZE_TOKENS)
                 self.waiting.append(req)
 
     def check_accounting(self) -> None:
@@ -268,7 +280,28 @@ class Scheduler:
         tokens = sum(reserved_decode_tokens(r, self.new_token_ratio) for r in reqs)
         if self.chunked is not None:
             tokens += self.chunked.extend_len
-        return pages_for(tokens, self.kv.page_size) + (len(reqs) if self.kv.page_size > 1 else 0)
+        return pages_for(tokens, self.kv.page_size) + (len(reqs) if self.kv.page_size > 1 else 0) + self._owed_pages()
+
+    def _owed_pages(self) -> int:
+        """Pages that jumped requests still need for their extend step."""
+        return sum(self.kv.pages_to_extend(r, r.extend_len) for r in self.running if r.extend_len > 1)
+
+    def _schedule_jumped(self) -> ScheduledBatch | None:
+        """When jump-forward appended tokens to running requests, all running requests go in one
+        extend batch: the jumped ones with all their new tokens, the others with their one."""
+        jumped = [r for r in self.running if r.extend_len > 1]
+        if not jumped:
+            return None
+        page = self.kv.page_size
+        need = self._owed_pages() + sum(1 for r in self.running if r.extend_len == 1 and r.cached_len % page == 0)
+        if need > self.kv.available_pages:  # a prefill took the pages: the jumped ones prefill later
+            for req in jumped:
+                self._retract(req)
+            return None
+        reqs = list(self.running)
+        batch = self._extend_batch(reqs, [r.extend_len for r in reqs])
+        batch.mixed = True
+        return batch
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         if not self.running:
@@ -290,12 +323,15 @@ class Scheduler:
                 log.error("KV pool too small for request %s alone; aborting it", req.rid)
                 self._ended.append(self._end(req, Finish(FinishKind.ABORT, "KV cache pool is too small")))
                 return
-            victim = min(self.running, key=lambda r: (len(r.output_ids), -r.prompt_len))
-            self.running.remove(victim)
-            self.kv.release(victim)
-            self.waiting.insert(0, victim)
-            self.new_token_ratio = self.args.init_new_token_ratio
-            self.num_retractions += 1
+            self._retract(min(self.running, key=lambda r: (len(r.output_ids), -r.prompt_len)))
+
+    def _retract(self, req: Req) -> None:
+        """Back to the front of the queue, its KV so far handed to the prefix cache."""
+        self.running.remove(req)
+        self.kv.release(req)
+        self.waiting.insert(0, req)
+        self.new_token_ratio = self.args.init_new_token_ratio
+        self.num_retractions += 1
 
     # ---- building the worker's batch ---------------------------------------------------------
 
@@ -388,7 +424,7 @@ class Scheduler:
     def _process(self, b: ScheduledBatch, out: WorkerOutput) -> list[TokenOutput]:
         for req, n in zip(b.reqs, b.extend_lens):
             req.cached_len += n
-            if b.mode is ForwardMode.EXTEND:
+            if b.mode is ForwardMode.EXTEND and not b.mixed:
                 self.kv.share_prefill(req)
         self._store_prompt_logprobs(b, out)
         for i, req in enumerate(b.sampled):
@@ -407,15 +443,74 @@ class Scheduler:
             if b.mode is ForwardMode.EXTEND and req is self.chunked:
                 continue
             finish = self._check_finish(req)
+            if finish is None and self._may_jump(req) and self._jump_forward(req, len(b.reqs)):
+                finish = self._check_finish(req)
             if finish is not None:
-                if req in self.running:
+                if b.mode is ForwardMode.DECODE or b.mixed:
                     self.running.remove(req)
                 outputs.append(self._end(req, finish))
             else:
-                if b.mode is ForwardMode.EXTEND:
+                if b.mode is ForwardMode.EXTEND and not b.mixed:
                     self.running.append(req)
                 outputs.append(self._output(req))
         return outputs
+
+    # ---- jump-forward ------------------------------------------------------------------------
+
+    def _may_jump(self, req: Req) -> bool:
+        # NOTE: forced tokens are not sampled, so they would have no logprobs: such requests decode them
+        return (self.jump_forward and req.guide is not None and not req.return_logprob
+                and req.output_ids[-1] not in self.eos_ids and self.grammar.jump_forward is not None)
+
+    def _jump_forward(self, req: Req, batch_size: int) -> bool:
+        """Append the text the constraint forces next, re-encoded with the last output tokens;
+        end with EOS when nothing else may follow. Returns whether the output changed."""
+        jf = self.grammar.jump_forward
+        forced = jf.forced(req.grammar, req.guide.get_state())
+        jumped = bool(forced.text) and self._jump(req, jf, forced, batch_size)
+        if jumped:
+            forced = jf.forced(req.grammar, req.guide.get_state())
+        p = req.params
+        if (forced.ends and not forced.text and not p.ignore_eos and len(req.output_ids) < p.max_new_tokens
+                and len(req.output_ids) + 1 >= p.min_new_tokens):
+            req.output_ids.append(jf.eos_token_id)  # finishes the request: it needs no KV
+            return True
+        return jumped
+
+    def _jump(self, req: Req, jf: JumpForward, forced: Forced, batch_size: int) -> bool:
+        out = req.output_ids
+        # tokens in the shared prefix cache cannot be re-encoded; the guide keeps RETOKENIZE_TOKENS states
+        movable = len(out) - max(req.prefix_len - req.prompt_len, 0)
+        window = min(RETOKENIZE_TOKENS, movable, req.guide.get_allowed_rollback())
+        plan = jf.retokenize(out[len(out) - window:], forced.text, forced.ends, forced.next_bytes)
+        if plan is None:
+            return False
+        start = len(out) - window + plan.keep  # the first output token that changes
+        room = min(req.params.max_new_tokens, self.context_length - req.prompt_len) - start
+        tokens = plan.tokens[:room]
+        old_bytes = sum(len(jf.token_bytes[t]) for t in out[start:])
+        if sum(len(jf.token_bytes[t]) for t in tokens) <= old_bytes:
+            return False  # no room to add anything past what is already there
+        keep_kv = min(req.cached_len, req.prompt_len + start)
+        need = pages_for(req.prompt_len + start + len(tokens), self.kv.page_size) - pages_for(keep_kv, self.kv.page_size)
+        if need > self.kv.available_pages - len(self.running) - batch_size - self._owed_pages():
+            return False  # leave the pages to decoding
+        req.guide.rollback_state(len(out) - start)
+        if not req.guide.accepts_tokens(tokens):  # cannot happen for a tokenization of allowed text
+            for t in out[start:]:
+                req.guide.advance(t, return_tokens=False)
+            log.warning("jump-forward: the guide refused the re-encoded text of %s; decoding it instead", req.rid)
+            return False
+        for t in tokens:
+            req.guide.advance(t, return_tokens=False)
+        if keep_kv < req.cached_len:
+            self.kv.truncate(req, keep_kv)
+        self.jumped_tokens += len(tokens) - (len(out) - start)
+        if req.sent_len > start:
+            req.replaced += req.sent_len - start
+            req.sent_len = start
+        out[start:] = tokens
+        return True
 
     def _store_prompt_logprobs(self, b: ScheduledBatch, out: WorkerOutput) -> None:
         at = 0
@@ -451,8 +546,9 @@ class Scheduler:
         return None
 
     def _match_stop_string(self, req: Req) -> str | None:
-        # A stop string of n characters spans at most n tokens (plus one partial token on each side).
-        window = max(len(s) for s in req.params.stop) + 2
+        # A stop string of n characters spans at most n tokens (plus one partial token on each side),
+        # and may start in any token not yet reported (jump-forward adds many at once).
+        window = max(len(s) for s in req.params.stop) + 2 + len(req.output_ids) - req.sent_len
         tail = self.decode(req.output_ids[-window:])
         for s in req.params.stop:
             if s in tail:
@@ -471,7 +567,9 @@ class Scheduler:
         out = TokenOutput(
             rid=req.rid, new_token_ids=new, prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens, finish_reason=req.finish.to_dict() if req.finish else None,
+            replaced=req.replaced,
         )
+        req.replaced = 0
         if req.return_logprob:
             out.output_logprobs = req.output_logprobs[req.sent_len :]
             out.output_top_logprobs = req.output_top_logprobs[req.sent_len :]

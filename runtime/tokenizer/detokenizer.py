@@ -32,7 +32,8 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True, stop: Sequence[str] = ()) -> None:
+                 spaces_between_special_tokens: bool = True, stop: Sequence[str] = (), replaceable: int = 0) -> None:
+        """`replaceable`: how many of the latest ids `replace` may take back (kept past the window)."""
         assert all(stop), "stop strings must be non-empty (SamplingParams rejects empty ones)"
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -41,11 +42,13 @@ class IncrementalDetokenizer:
         self.text = ""  # everything emitted so far: the concatenation of the deltas
         self.stopped_on: str | None = None
         context = self._prompt_context(prompt_ids or ())
-        # Only the decode window is kept: ids[:prefix] are dropped as the window slides.
+        # Only the decode window (and `replaceable` ids before it) is kept: older ids are dropped as it slides.
         self._ids: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
+        self._replaceable = replaceable
         self._held = ""  # decoded text withheld because it may begin a stop string
+        self._skip = 0  # characters of replaced ids already taken, to drop from their replacement's text
 
     def add(self, new_ids: Sequence[int], flush: bool = False) -> str:
         """Take the next output ids; return the text that is now safe to emit (may be empty)."""
@@ -56,6 +59,21 @@ class IncrementalDetokenizer:
         delta = self._release(flush)
         self.text += delta
         return delta
+
+    def replace(self, count: int, new_ids: Sequence[int], flush: bool = False) -> str:
+        """Like `add`, after taking back the last `count` ids: jump-forward re-encoded them
+        together with forced text, so `new_ids` decode to their text and then more. Text already
+        emitted stays; the delta is what follows it."""
+        if self.stopped_on is not None:
+            return ""
+        first = len(self._ids) - count
+        assert first >= 0, "cannot take back more ids than the detokenizer keeps"
+        if first < self._read_offset:
+            taken = self._decode(self._ids[:self._read_offset])
+            self._skip += len(taken) - len(self._decode(self._ids[:first]))
+            self._prefix_offset, self._read_offset = 0, first
+        del self._ids[first:]
+        return self.add(new_ids, flush)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens,
@@ -76,10 +94,13 @@ class IncrementalDetokenizer:
         if not flush and (len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT)):
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        del self._ids[:self._prefix_offset]
-        self._read_offset -= self._prefix_offset
-        self._prefix_offset = 0
-        return new_text[len(prefix_text):]
+        drop = max(self._prefix_offset - self._replaceable, 0)
+        del self._ids[:drop]
+        self._prefix_offset -= drop
+        self._read_offset -= drop
+        text = new_text[len(prefix_text):]
+        skip, self._skip = min(self._skip, len(text)), max(self._skip - len(text), 0)
+        return text[skip:]
 
     def _release(self, flush: bool) -> str:
         """Cut the held text at a stop string, or hand out all of it but a possible stop-string start."""

@@ -26,6 +26,8 @@ from runtime.constrained.choices import (
     greedy_run,
     result_meta,
 )
+from runtime.constrained.grammar import constraint_key
+from runtime.constrained.jump_forward import RETOKENIZE_TOKENS
 from runtime.messages import (
     AbortRequest,
     BatchTokenOutput,
@@ -53,6 +55,7 @@ class _InFlight:
     text: str = ""  # all output text so far
     sent_tokens: int = 0
     sent_text: int = 0
+    resent: int = 0  # streamed ids that jump-forward re-encoded: the next chunk's ids replace them
     logprobs: list[list[Any]] = field(default_factory=list)
     top_logprobs: list[Any] = field(default_factory=list)
     input_logprobs: list[list[Any]] | None = None
@@ -127,8 +130,9 @@ class TokenizerManager:
             return
         detok = None
         if self.tokenizer is not None:
+            replaceable = RETOKENIZE_TOKENS if constraint_key(params) is not None else 0
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
-                                           params.spaces_between_special_tokens, params.stop)
+                                           params.spaces_between_special_tokens, params.stop, replaceable)
         self.in_flight[req.rid] = _InFlight(client, req, prompt_ids, detok)
         self.to_scheduler.send(ipc.encode(TokenizedRequest(
             req.rid, prompt_ids, params, req.return_logprob, req.logprob_start_len, req.top_logprobs_num)))
@@ -270,6 +274,11 @@ class TokenizerManager:
                 return  # the group already failed
             self._reply(st.client, ClientOutput(rid, finished=True, error=reason["message"], status=reason["status"]))
             return
+        if out.replaced:
+            keep = len(st.token_ids) - out.replaced
+            del st.token_ids[keep:]
+            st.resent += max(st.sent_tokens - keep, 0)
+            st.sent_tokens = min(st.sent_tokens, keep)
         st.token_ids.extend(out.new_token_ids)
         if st.first_token is None and out.new_token_ids:
             st.first_token = time.perf_counter()
@@ -286,7 +295,7 @@ class TokenizerManager:
                 self._choice_scored(st, out)
             return
         if st.detok is not None:
-            st.text += st.detok.add(out.new_token_ids, flush=finished)
+            st.text += st.detok.replace(out.replaced, out.new_token_ids, flush=finished)
             if st.detok.stopped_on is not None and not finished:
                 # the text found a stop string before the scheduler did: end it here and free its KV
                 self.to_scheduler.send(ipc.encode(AbortRequest(out.rid)))
@@ -321,6 +330,8 @@ class TokenizerManager:
                 meta["input_token_logprobs"] = self._with_text(st, st.input_logprobs)
                 meta["input_top_logprobs"] = [self._with_text(st, top) for top in st.input_top_logprobs]
         ids = st.token_ids[st.sent_tokens:] if stream else st.token_ids
+        if stream and st.resent:
+            meta["replaced_tokens"], st.resent = st.resent, 0
         text = st.text[st.sent_text:] if stream else st.text
         st.sent_tokens, st.sent_text = len(st.token_ids), len(st.text)
         return ClientOutput(st.req.rid, text, ids, meta, finished)

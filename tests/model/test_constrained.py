@@ -1,4 +1,5 @@
-"""Constrained decoding (regex, JSON schema) on SmolLM2: every output satisfies its constraint."""
+"""Constrained decoding (regex, JSON schema) on SmolLM2: every output satisfies its constraint,
+with jump-forward on and off."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import re
 
 import jsonschema
 import pytest
+
+from outlines_core import Guide
 
 from helpers import assert_drained
 from runtime.sampling_params import SamplingParamsError
@@ -56,9 +59,25 @@ def _chat(engine, text):
     return engine.apply_chat_template([{"role": "user", "content": text}])
 
 
+@pytest.fixture(scope="module")
+def no_jump(smol):
+    return smol.engine_with(disable_jump_forward=True)
+
+
+@pytest.fixture(params=["jump-forward", "no-jump-forward"])
+def engine(request, smol):
+    """The SmolLM2 engine with jump-forward (the default) and one without."""
+    return smol.engine if request.param == "jump-forward" else request.getfixturevalue("no_jump")
+
+
+def _assert_jumped_iff_enabled(engine, before: int) -> None:
+    jumped = engine.scheduler.jumped_tokens - before
+    assert (jumped > 0) == engine.scheduler.jump_forward, jumped
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_regex_outputs_full_match_in_a_mixed_batch(smol, temperature):
-    engine = smol.engine
+def test_regex_outputs_full_match_in_a_mixed_batch(engine, temperature):
+    jumped = engine.scheduler.jumped_tokens
     prompts = [_chat(engine, f"Give an example of a {name}.") for name in REGEXES]
     params = [{"max_new_tokens": 40, "temperature": temperature, "seed": 3, "regex": rx} for rx in REGEXES.values()]
     free_prompt = _chat(engine, "Say hello.")
@@ -69,12 +88,13 @@ def test_regex_outputs_full_match_in_a_mixed_batch(smol, temperature):
         # sampling may still be inside an open-ended part (e.g. a long word) when max_new_tokens runs out
         assert res["meta_info"]["finish_reason"]["type"] == "stop" or temperature > 0
     assert results[-1]["output_ids"] == alone["output_ids"], "an unconstrained neighbour must be untouched"
+    _assert_jumped_iff_enabled(engine, jumped)
     assert_drained(engine)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_json_schema_outputs_validate(smol, temperature):
-    engine = smol.engine
+def test_json_schema_outputs_validate(engine, temperature):
+    jumped = engine.scheduler.jumped_tokens
     prompts = [_chat(engine, "Answer in JSON: describe something.") for _ in SCHEMAS]
     params = [{"max_new_tokens": 160, "temperature": temperature, "seed": 5, "json_schema": json.dumps(s)}
               for s in SCHEMAS]
@@ -83,8 +103,25 @@ def test_json_schema_outputs_validate(smol, temperature):
     for i, (schema, res) in enumerate(zip(SCHEMAS, results)):
         assert res["meta_info"]["finish_reason"]["type"] == "stop", (i, res["text"])
         jsonschema.validate(json.loads(res["text"]), schema, format_checker=jsonschema.FormatChecker())
+        _assert_tokens_follow_the_guide(engine, res["output_ids"], {"json_schema": json.dumps(schema)})
     assert results[-1]["output_ids"] == engine.generate(free, {"max_new_tokens": 10, "temperature": 0})["output_ids"]
+    _assert_jumped_iff_enabled(engine, jumped)
     assert_drained(engine)
+
+
+def _assert_tokens_follow_the_guide(engine, output_ids, constraint) -> None:
+    """Every output token, jumped ones included, is one the constraint allowed where it stands."""
+    from runtime.constrained.grammar import constraint_key
+    from runtime.sampling_params import SamplingParams
+
+    compiler = engine.scheduler.grammar
+    grammar = compiler.poll(constraint_key(SamplingParams.from_dict(constraint)))
+    guide = Guide(grammar.index)
+    *body, last = output_ids
+    assert guide.accepts_tokens(body), engine.tokenizer.convert_ids_to_tokens(output_ids)
+    for t in body:
+        guide.advance(t, return_tokens=False)
+    assert last in guide.get_tokens()
 
 
 def test_dtype_outputs_parse(smol):
@@ -113,4 +150,64 @@ def test_bad_constraints_fail_alone(smol):
     assert "regex" in results[0]["meta_info"]["finish_reason"]["message"]
     assert "json_schema" in results[1]["meta_info"]["finish_reason"]["message"]
     assert results[2]["meta_info"]["completion_tokens"] == 4
+    assert_drained(engine)
+
+
+SCHEMA = {"type": "object", "properties": {"name": S, "age": {"type": "integer"}, "city": S,
+                                           "member": {"type": "boolean"}},
+          "required": ["name", "age", "city", "member"]}
+
+
+def test_jump_forward_saves_passes_and_leaves_consistent_kv(smol, no_jump):
+    """Jumped text costs no forward pass per token, and its KV (re-encoded at the boundary,
+    rolled back and recomputed) is what a fresh prefill of the same tokens computes: a follow-up
+    turn that reuses it from the prefix cache decodes exactly as on a cacheless engine."""
+    prompts = [_chat(smol.engine, f"Describe person number {i} as JSON.") for i in range(6)]
+    params = {"max_new_tokens": 96, "temperature": 0, "json_schema": json.dumps(SCHEMA)}
+    passes = {}
+    for eng in (smol.engine, no_jump):
+        before = eng.scheduler.request_passes
+        results = eng.generate(prompts, params)
+        passes[eng.scheduler.jump_forward] = eng.scheduler.request_passes - before
+        for res in results:
+            jsonschema.validate(json.loads(res["text"]), SCHEMA)
+        if eng is smol.engine:
+            jumped = results
+    assert passes[True] < 0.8 * passes[False], passes
+    cold = smol.engine_with(disable_radix_cache=True)
+    tok = smol.engine.tokenizer
+    follow_ups = [tok.encode(p, add_special_tokens=False) + r["output_ids"] + tok.encode("\nSay it in words:")
+                  for p, r in zip(prompts, jumped)]
+    greedy = {"max_new_tokens": 12, "temperature": 0}
+    warm = smol.engine.generate(input_ids=follow_ups, sampling_params=greedy)
+    assert all(r["meta_info"]["cached_tokens"] > len(f) // 2 for r, f in zip(warm, follow_ups))
+    assert [r["output_ids"] for r in warm] == [r["output_ids"] for r in cold.generate(input_ids=follow_ups,
+                                                                                      sampling_params=greedy)]
+    assert_drained(smol.engine)
+
+
+def test_jump_forward_under_paging_chunking_and_retraction(smol):
+    """Page size 4 (rolled back KV frees whole pages only), small prefill chunks and a pool so
+    small that decoding retracts requests: outputs still validate and no page leaks."""
+    eng = smol.engine_with(page_size=4, chunked_prefill_size=32, max_total_tokens=256, debug_accounting=True,
+                           init_new_token_ratio=0.01, min_new_token_ratio=0.01)  # admit optimistically
+    prompts = [_chat(eng, f"Describe person number {i} as JSON.") for i in range(12)]
+    results = eng.generate(prompts, {"max_new_tokens": 96, "temperature": 1.0, "seed": 11,
+                                     "json_schema": json.dumps(SCHEMA)})
+    for res in results:
+        jsonschema.validate(json.loads(res["text"]), SCHEMA)
+    assert eng.scheduler.jumped_tokens > 0 and eng.scheduler.num_retractions > 0
+    assert_drained(eng)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_forced_multibyte_text_stays_valid_utf8(engine, temperature):
+    """Forced text that ends inside a character (é and è share a first byte) is cut at the
+    character: the output is always whole UTF-8 that full-matches."""
+    rx = "Résumé: (café|cafè|thé) — [a-z]{1,6} ✓"
+    results = engine.generate([_chat(engine, "Write a note.")] * 3,
+                              {"max_new_tokens": 40, "temperature": temperature, "seed": 2, "regex": rx})
+    for res in results:
+        assert "\ufffd" not in res["text"] and re.fullmatch(rx, res["text"]), res["text"]
+        _assert_tokens_follow_the_guide(engine, res["output_ids"], {"regex": rx})
     assert_drained(engine)

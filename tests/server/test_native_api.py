@@ -193,3 +193,26 @@ def test_disconnect_while_waiting_for_a_whole_result_aborts(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/generate", json=body, timeout=2.0)  # gives up: the connection closes
     assert_kv_clean(server.url)
+
+
+@pytest.mark.parametrize("constraint", [
+    {"regex": "(abcdefgh|abcdefgi)xyz"},  # the sampled start of the word is re-encoded with its forced end
+    {"json_schema": '{"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, '
+                    '"age": {"type": "integer"}}, "required": ["name", "age"]}'},
+])
+def test_jump_forward_stream_equals_whole_result(server, constraint):
+    """Jump-forward may re-encode tokens already streamed: the text never changes, and a chunk's
+    `replaced_tokens` says how many streamed ids its ids replace."""
+    body = {"text": CHAT.format("Where are you going? Describe yourself."),
+            "sampling_params": {"max_new_tokens": 60, "temperature": 0, **constraint}}
+    whole = post(server, "/generate", body).json()
+    chunks = sse_events(server, {**body, "stream": True})
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    ids = []
+    for c in chunks:
+        del ids[len(ids) - c["meta_info"].get("replaced_tokens", 0):]
+        ids.extend(c["output_ids"])
+    assert ids == whole["output_ids"]
+    if "regex" in constraint:
+        assert any("replaced_tokens" in c["meta_info"] for c in chunks)
+    assert_kv_clean(server.url)

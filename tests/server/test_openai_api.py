@@ -91,14 +91,16 @@ def test_response_format_json_schema(client):
     import json
 
     schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 30},
-                                               "population_millions": {"type": "number"}},
-              "required": ["capital", "population_millions"]}
+                                               "code": {"type": "string", "pattern": "^[A-Z]{2}$"},
+                                               "coastal": {"type": "boolean"}},
+              "required": ["capital", "code", "coastal"]}
     r = client.chat.completions.create(
         model="default", messages=[{"role": "user", "content": "Give France's capital and population as JSON."}],
         max_tokens=80, temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "country", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
     data = json.loads(r.choices[0].message.content)
-    assert isinstance(data["capital"], str) and isinstance(data["population_millions"], (int, float))
+    assert isinstance(data["capital"], str) and len(data["code"]) == 2 and isinstance(data["coastal"], bool)
     r = client.completions.create(model="default", prompt="A JSON object describing a cat: ", max_tokens=60,
                                   temperature=0, extra_body={"regex": r"\{\"name\": \"[A-Za-z]{1,12}\"\}"})
     assert json.loads(r.choices[0].text)["name"].isalpha()

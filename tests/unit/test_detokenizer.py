@@ -173,3 +173,24 @@ def test_per_step_decode_work_is_bounded(tok):
     assert len(detok._ids) <= 10  # the window is all that is kept
     assert all(kw == {"skip_special_tokens": False, "spaces_between_special_tokens": False}
                for kw in recorder.kwargs)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_replacing_emitted_ids_continues_the_text_exactly(tok, seed):
+    """Jump-forward re-encodes already streamed ids with forced text after them: the text already
+    emitted stays, and the deltas go on with exactly the new text."""
+    rng = random.Random(seed)
+    full = encode(tok, '{"name": "Café crème 😀", "tags": ["日本語", "x"], "n": 42}')
+    for _ in range(40):
+        cut = rng.randint(2, len(full) - 1)
+        # the model wrote the text of full[cut-k:cut] in small pieces (one token per character)
+        piece = tok.decode(full[cut - rng.randint(1, min(4, cut)):cut])
+        old = [t for ch in piece for t in encode(tok, ch)][-8:]
+        piece = tok.decode(old)
+        head = full[:max(cut - 8, 0)]
+        forced = tok.decode(full[cut:])[: rng.randint(1, 12)]
+        detok = IncrementalDetokenizer(tok, prompt_ids=encode(tok, "Q:"), replaceable=8, stop=["never"])
+        deltas = [detok.add(head[i:i + 3]) for i in range(0, len(head), 3)]
+        deltas += [detok.add(old[i:i + 2]) for i in range(0, len(old), 2)]
+        deltas.append(detok.replace(len(old), encode(tok, piece + forced), flush=True))
+        assert "".join(deltas) == detok.text == tok.decode(head) + piece + forced

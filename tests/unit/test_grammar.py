@@ -32,7 +32,7 @@ def _wait(c, key):
 
 
 def test_mask_allows_exactly_the_guides_tokens(compiler):
-    guide = Guide(_wait(compiler, ("regex", "(a|b)+[xy]")))
+    guide = Guide(_wait(compiler, ("regex", "(a|b)+[xy]")).index)
     mask = grammar_bitmask([None, guide], VOCAB)
     logits = torch.zeros(2, VOCAB)
     apply_bitmask(logits, mask)
@@ -55,3 +55,17 @@ def test_errors_name_the_problem_and_results_are_cached(compiler):
     _wait(compiler, ("regex", "ab"))  # cache_size 2: "a+" is evicted
     compiler.submit(("regex", "a+"))
     assert _wait(compiler, ("regex", "a+")) is not first
+
+
+def test_date_time_and_time_formats_require_an_offset():
+    """JSON Schema's date-time and time are RFC 3339: the offset is not optional."""
+    import json
+    import re
+
+    from runtime.constrained.grammar import to_regex
+
+    rx = to_regex(("json_schema", json.dumps({"type": "string", "format": "date-time"})))
+    assert re.fullmatch(rx, '"2008-07-18T00:00:00Z"') and re.fullmatch(rx, '"2008-07-18T23:59:01.5+02:00"')
+    assert not re.fullmatch(rx, '"2008-07-18T00:00:00"')
+    rx = to_regex(("json_schema", json.dumps({"type": "string", "format": "time"})))
+    assert re.fullmatch(rx, '"10:20:30-05:00"') and not re.fullmatch(rx, '"10:20:30"')
