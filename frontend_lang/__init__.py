@@ -1,0 +1,55 @@
+"""radixlm's language for LLM programs (SGLang's frontend primitives).
+
+    import frontend_lang as fl
+
+    @fl.function
+    def qa(s, question):
+        s += fl.user(question)
+        s += fl.assistant(fl.gen("answer", max_tokens=64))
+
+    fl.set_default_backend(fl.RuntimeEndpoint("http://127.0.0.1:30000"))
+    print(qa.run(question="Capital of France?")["answer"])
+"""
+
+from frontend_lang.api import (
+    Function,
+    assistant,
+    assistant_begin,
+    assistant_end,
+    function,
+    gen,
+    gen_int,
+    gen_string,
+    get_default_backend,
+    greedy_token,
+    select,
+    set_default_backend,
+    system,
+    system_begin,
+    system_end,
+    token_length_normalized,
+    unconditional_likelihood_normalized,
+    user,
+    user_begin,
+    user_end,
+)
+from frontend_lang.backends.base import Backend, BackendError
+from frontend_lang.backends.runtime_endpoint import RuntimeEndpoint
+from frontend_lang.chat_template import ChatTemplate, get_chat_template
+from frontend_lang.interpreter import ForkGroup, ProgramError, ProgramState
+
+
+def Runtime(model_path=None, **server_args):  # noqa: N802 - a class to its users; imported late (torch)
+    """A local runtime in the background, spoken to over ZeroMQ; see backends/runtime.py."""
+    from frontend_lang.backends.runtime import Runtime as _Runtime
+
+    return _Runtime(model_path, **server_args)
+
+
+__all__ = [
+    "Backend", "BackendError", "ChatTemplate", "ForkGroup", "Function", "ProgramError", "ProgramState", "Runtime",
+    "RuntimeEndpoint", "assistant", "assistant_begin", "assistant_end", "function", "gen", "gen_int", "gen_string",
+    "get_chat_template", "get_default_backend", "greedy_token", "select", "set_default_backend", "system",
+    "system_begin", "system_end", "token_length_normalized", "unconditional_likelihood_normalized", "user",
+    "user_begin", "user_end",
+]

@@ -8,9 +8,10 @@ one on a private event-loop thread, for blocking callers in any thread.
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import uuid
-from typing import Any, AsyncIterator, Callable, Coroutine
+from typing import Any, AsyncIterator, Callable, Coroutine, Iterator
 
 import zmq
 import zmq.asyncio
@@ -125,6 +126,30 @@ class SyncRuntimeClient:
             return await asyncio.gather(*(self._client.generate(r) for r in reqs), return_exceptions=True)
 
         return self._call(run())
+
+    def stream(self, req: GenerateRequest) -> Iterator[ClientOutput]:
+        """The outputs of one streaming request as they arrive; closing the iterator early aborts it."""
+        req.stream = True
+        outputs: queue.Queue = queue.Queue()
+        done = object()
+
+        async def pump() -> None:
+            try:
+                async for out in self._client.stream(req):
+                    outputs.put(out)
+            except BaseException as e:  # noqa: BLE001 - handed to the consuming thread
+                outputs.put(e)
+            finally:
+                outputs.put(done)
+
+        task = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while (item := outputs.get()) is not done:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            task.cancel()  # a no-op once finished; else the stream's cleanup aborts the request
 
     def abort(self, rid: str) -> None:
         self._call(self._client.abort(rid))

@@ -9,6 +9,7 @@ one process (tests, benchmarks), see `runtime.local_engine.LocalEngine`.
 from __future__ import annotations
 
 import atexit
+from collections.abc import Iterator
 from typing import Any
 
 from runtime.args import ServerArgs
@@ -31,6 +32,20 @@ class Engine(GenerateAPI):
         """Generate the assistant's reply to a conversation, rendered with the model's chat template."""
         reqs, _ = native_requests({"messages": messages, "sampling_params": sampling_params or {}})
         return self._run_requests(reqs)[0]
+
+    def stream(self, prompt: str, sampling_params: dict[str, Any] | None = None, return_logprob: bool = False,
+               top_logprobs_num: int = 0) -> Iterator[dict[str, Any]]:
+        """One prompt's result as it is generated: chunks shaped like `generate`'s result, with the
+        new `text` and `output_ids`; the last has the finish reason. Leaving early aborts it."""
+        reqs, _ = native_requests({"text": prompt, "sampling_params": sampling_params or {}, "stream": True,
+                                   "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num})
+        if len(reqs) != 1:
+            raise ValueError("stream takes one prompt and n = 1")
+        for out in self._client.stream(reqs[0]):
+            yield native_result(out)
+
+    def model_info(self) -> dict[str, Any]:
+        return self._client.control("model_info")
 
     def _run_requests(self, reqs: list[GenerateRequest]) -> list[dict[str, Any]]:
         outs = self._client.generate_many(reqs)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up, serve the embedded default model (SmolLM2-135M-Instruct), run one native request with
-# curl and an OpenAI-client example program against it, then stop the server.
+# curl, an OpenAI-client example and a program in the language against it, then stop the server.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -19,3 +19,5 @@ curl -s "http://127.0.0.1:$PORT/generate" -H 'Content-Type: application/json' \
 echo
 echo "--- OpenAI API (examples/openai_chat.py):"
 "${PYTHON:-python3}" examples/openai_chat.py "http://127.0.0.1:$PORT/v1"
+echo "--- a program in the language (examples/multi_turn_agent.py):"
+"${PYTHON:-python3}" examples/multi_turn_agent.py --url "http://127.0.0.1:$PORT"

@@ -156,3 +156,14 @@ def pytest_sessionfinish(session, exitstatus):
     if left:
         print(f"\nERROR: processes left behind by the tests: {left}")
         session.exitstatus = 1
+
+
+@pytest.fixture(scope="session")
+def server():
+    """One live `radixlm serve` (SmolLM2) for the whole session: server and language tests share it."""
+    from server.conftest import LiveServer
+
+    srv = LiveServer()
+    yield srv
+    code = srv.stop()
+    assert code == 0, srv.output()

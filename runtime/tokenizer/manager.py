@@ -243,7 +243,9 @@ class TokenizerManager:
         if msg.op == "model_info":
             self._reply(client, ControlOutput(msg.rid, {
                 "model_path": self.args.model_path or self.model_name, "is_generation": True,
-                "context_length": self.context_length, "vocab_size": self.vocab_size}))
+                "context_length": self.context_length, "vocab_size": self.vocab_size,
+                "chat_template": getattr(self.tokenizer, "chat_template", None),
+                "bos_token": getattr(self.tokenizer, "bos_token", None)}))
             return
         self.pending_control[msg.rid] = client
         self.to_scheduler.send(ipc.encode(msg))

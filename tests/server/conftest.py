@@ -10,7 +10,6 @@ import sys
 import time
 
 import httpx
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -79,10 +78,3 @@ def assert_kv_clean(url: str) -> None:
     assert acct["locked_pages"] == 0, acct
     assert acct["free_pages"] + acct["evictable_pages"] == acct["pool_pages"], acct
 
-
-@pytest.fixture(scope="session")
-def server():
-    srv = LiveServer()
-    yield srv
-    code = srv.stop()
-    assert code == 0, srv.output()

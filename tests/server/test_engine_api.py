@@ -40,6 +40,21 @@ def test_engine_batches_calls_from_many_threads(engine):
     assert acct["ok"] and acct["locked_pages"] == 0
 
 
+def test_engine_streams_the_same_result_piece_by_piece(engine):
+    params = {"max_new_tokens": 20, "temperature": 0}
+    whole = engine.generate("Once upon a time", params)
+    chunks = list(engine.stream("Once upon a time", params))
+    assert len(chunks) > 1 and "".join(c["text"] for c in chunks) == whole["text"]
+    assert [t for c in chunks for t in c["output_ids"]] == whole["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
+    early = engine.stream("Write a long story.", {"max_new_tokens": 200})
+    next(early)
+    early.close()  # leaving early aborts the request and frees its KV
+    acct = engine.check_accounting()
+    assert acct["ok"]
+    assert engine.model_info()["chat_template"]
+
+
 def test_engine_errors_are_value_errors(engine):
     with pytest.raises(RequestFailed, match="top_p"):
         engine.generate("hi", {"top_p": 7})

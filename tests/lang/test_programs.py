@@ -1,0 +1,155 @@
+"""Programs in the language against the live runtime (SmolLM2): both backends, and raw /generate."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import pytest
+
+import frontend_lang as fl
+from server.conftest import assert_kv_clean
+
+CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+SYSTEM = "<|im_start|>system\n{}<|im_end|>\n"
+
+
+@pytest.fixture(scope="module")
+def endpoint(server):
+    backend = fl.RuntimeEndpoint(server.url)
+    yield backend
+    backend.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_runtime():
+    backend = fl.Runtime(max_total_tokens=30000)
+    yield backend
+    backend.shutdown()
+
+
+@fl.function
+def interview(s, topic):
+    s += fl.system("You answer in one short sentence.")
+    s += fl.user(f"Tell me about {topic}.")
+    s += fl.assistant(fl.gen("fact", max_tokens=24))
+    s += fl.user("Is that true? Answer yes or no.")
+    s += fl.assistant(fl.select("verdict", ["yes", "no"]))
+    s += fl.user("Give a year.")
+    s += fl.assistant(fl.gen("year", regex=r"(1[5-9]|20)[0-9]{2}"))
+    s += fl.user("Describe it as JSON.")
+    s += fl.assistant(fl.gen("json", max_tokens=64, json_schema={
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "old": {"type": "boolean"}},
+        "required": ["name", "old"]}))
+
+
+def test_greedy_programs_agree_across_backends_and_with_raw_generate(endpoint, local_runtime, server):
+    via_http = interview.run(topic="the Eiffel Tower", backend=endpoint, temperature=0)
+    via_zmq = interview.run(topic="the Eiffel Tower", backend=local_runtime, temperature=0)
+    assert via_http.text() == via_zmq.text()
+    for var in ("fact", "verdict", "year", "json"):
+        assert via_http[var] == via_zmq[var]
+    # the same requests by hand
+    prompt = SYSTEM.format("You answer in one short sentence.") + CHAT.format("Tell me about the Eiffel Tower.")
+    raw = httpx.post(server.url + "/generate", json={"text": prompt, "sampling_params": {
+        "max_new_tokens": 24, "temperature": 0, "stop": ["<|im_end|>"]}}, timeout=120).json()
+    assert raw["text"] == via_http["fact"]
+    assert via_http.messages()[2] == {"role": "assistant", "content": raw["text"]}
+    assert re.fullmatch(r"(1[5-9]|20)[0-9]{2}", via_http["year"])
+    data = json.loads(via_http["json"])
+    assert set(data) == {"name", "old"}
+    scores = via_http.get_meta_info("verdict")["normalized_scores"]
+    assert via_http["verdict"] == ["yes", "no"][scores.index(max(scores))]
+    assert_kv_clean(server.url)
+
+
+def test_default_system_prompt_matches_the_models_template(endpoint, server):
+    """A chat without a system turn gets the one the model's own template inserts."""
+
+    @fl.function
+    def ask(s):
+        s += fl.user("Hi!")
+        s += fl.assistant(fl.gen("reply", max_tokens=8, temperature=0))
+
+    state = ask.run(backend=endpoint)
+    rendered = httpx.post(server.url + "/generate", json={
+        "messages": [{"role": "user", "content": "Hi!"}],
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0}}, timeout=120).json()
+    assert state["reply"] == rendered["text"]
+    assert state.messages()[0]["role"] == "system"
+
+
+def test_fork_branches_share_the_prefix_and_run_in_parallel(endpoint, server):
+    @fl.function
+    def branches(s):
+        s += fl.user("Name three colours of the rainbow, one per line, with a short reason for each.")
+        s += fl.assistant_begin()
+        forks = s.fork(3)
+        for i, f in enumerate(forks):
+            f += fl.gen("idea", max_tokens=12, temperature=1.0, seed=i)
+        forks.join()
+        s.set_var("ideas", [f["idea"] for f in forks])
+        s.set_var("cached", [f.get_meta_info("idea")["cached_tokens"] for f in forks])
+        s += fl.assistant_end()
+
+    state = branches.run(backend=endpoint)
+    shared = state.text()[: state.text().index("<|im_start|>assistant\n") + len("<|im_start|>assistant\n")]
+    shared_tokens = httpx.post(server.url + "/generate", json={"text": shared, "sampling_params": {
+        "max_new_tokens": 0}}, timeout=60).json()["meta_info"]["prompt_tokens"]
+    # a branch's prompt is the shared text itself: all but its last token (which must be computed) is cached
+    assert all(c >= shared_tokens - 1 for c in state["cached"]), (state["cached"], shared_tokens)
+    assert len(set(state["ideas"])) > 1  # different seeds, different branches
+    assert_kv_clean(server.url)
+
+
+def test_streaming_yields_the_variable_as_it_is_generated(endpoint):
+    state = interview.run(topic="tea", backend=endpoint, temperature=0, stream=True)
+    pieces = list(state.text_iter("fact"))
+    assert len(pieces) > 1 and "".join(pieces) == state["fact"]
+    whole = interview.run(topic="tea", backend=endpoint, temperature=0)
+    assert whole["fact"] == state["fact"] and whole.text() == state.text()
+
+
+def test_run_batch_of_64_reports_each_programs_success(endpoint, server):
+    @fl.function
+    def classify(s, n):
+        if n % 16 == 5:
+            raise ValueError(f"program {n} refuses")
+        s += fl.user(f"Is {n} an even number?")
+        s += fl.assistant(fl.select("answer", ["yes", "no"]))
+
+    states = classify.run_batch([{"n": n} for n in range(64)], backend=endpoint, progress_bar=True)
+    failed = [n for n, st in enumerate(states) if not st.success]
+    assert failed == [5, 21, 37, 53]
+    assert "program 5 refuses" in str(states[5].error)
+    assert all(st["answer"] in ("yes", "no") for st in states if st.success)
+    assert_kv_clean(server.url)
+
+
+def test_a_bad_request_fails_its_program_with_the_text_so_far(endpoint):
+    @fl.function
+    def bad(s):
+        s += fl.user("Hello")
+        s += fl.assistant(fl.gen("x", regex="(unclosed"))
+
+    with pytest.raises(fl.ProgramError) as err:
+        bad.run(backend=endpoint)
+    assert "regex" in str(err.value) and "<|im_start|>user\nHello" in err.value.text
+
+
+def test_json_and_regex_outputs_validate(endpoint):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 15},
+                                               "population": {"type": "integer"}}, "required": ["city", "population"]}
+
+    @fl.function
+    def extract(s, text):
+        s += fl.user(f"Extract the city and population as JSON: {text}")
+        s += fl.assistant(fl.gen("data", max_tokens=48, json_schema=schema, temperature=1.0, seed=1))
+        s += fl.user("And its phone prefix?")
+        s += fl.assistant(fl.gen("phone", regex=r"\+[0-9]{2,3}"))
+
+    state = extract.run(text="Lyon has 520000 inhabitants.", backend=endpoint)
+    jsonschema.validate(json.loads(state["data"]), schema)
+    assert re.fullmatch(r"\+[0-9]{2,3}", state["phone"])
