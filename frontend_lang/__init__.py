@@ -46,8 +46,16 @@ def Runtime(model_path=None, **server_args):  # noqa: N802 - a class to its user
     return _Runtime(model_path, **server_args)
 
 
+def OpenAI(model, base_url=None, api_key=None, is_chat_model=True, chat_template="plain"):  # noqa: N802
+    """Any OpenAI-compatible server; see backends/openai_backend.py."""
+    from frontend_lang.backends.openai_backend import OpenAI as _OpenAI
+
+    return _OpenAI(model, base_url, api_key, is_chat_model, chat_template)
+
+
 __all__ = [
-    "Backend", "BackendError", "ChatTemplate", "ForkGroup", "Function", "ProgramError", "ProgramState", "Runtime",
+    "Backend", "BackendError", "ChatTemplate", "ForkGroup", "Function", "OpenAI", "ProgramError", "ProgramState",
+    "Runtime",
     "RuntimeEndpoint", "assistant", "assistant_begin", "assistant_end", "function", "gen", "gen_int", "gen_string",
     "get_chat_template", "get_default_backend", "greedy_token", "select", "set_default_backend", "system",
     "system_begin", "system_end", "token_length_normalized", "unconditional_likelihood_normalized", "user",

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
-from frontend_lang.backends.base import Backend
+from frontend_lang.backends.base import Backend, Call
 from frontend_lang.chat_template import ChatTemplate
 from frontend_lang.ir import Expr, Gen, RoleBegin, RoleEnd, Select, Text, as_expr, flatten
 
@@ -179,7 +179,7 @@ class ProgramState:
         elif isinstance(leaf, Gen):
             self._gen(leaf)
         elif isinstance(leaf, Select):
-            result = self.backend.select(self._text, leaf.choices, leaf.method)
+            result = self.backend.select(self._call({}), leaf.choices, leaf.method)
             self._store(leaf.name, result["text"], result["meta_info"])
             self._append(result["text"], leaf.name)
         else:
@@ -215,21 +215,23 @@ class ProgramState:
         self._append(self.template.suffix[role])
         self._role = None
 
+    def _call(self, params: dict[str, Any], return_logprob: bool = False, top_logprobs_num: int = 0) -> Call:
+        turn = None if self._role is None else (self._role, self._text[self._role_start:])
+        return Call(self._text, params, [dict(m) for m in self._messages], turn, return_logprob, top_logprobs_num)
+
     def _gen(self, leaf: Gen) -> None:
         params = {**self.defaults, **leaf.params}
         if self._role == "assistant" and self.template.stop:
             params["stop"] = list(params.get("stop") or []) + [s for s in self.template.stop
                                                                 if s not in (params.get("stop") or [])]
-        body: dict[str, Any] = {"text": self._text, "sampling_params": params}
-        if leaf.return_logprob:
-            body.update(return_logprob=True, top_logprobs_num=leaf.top_logprobs_num)
+        call = self._call(params, leaf.return_logprob, leaf.top_logprobs_num)
         if not self.stream:
-            result = self.backend.generate(body)
+            result = self.backend.generate(call)
             self._append(result["text"], leaf.name)
             self._store(leaf.name, result["text"], result["meta_info"])
             return
         text, meta = "", {}
-        for chunk in self.backend.stream(body):
+        for chunk in self.backend.stream(call):
             self._append(chunk["text"], leaf.name)
             text += chunk["text"]
             meta = chunk["meta_info"]

@@ -1,14 +1,17 @@
-"""What the interpreter needs from a backend: native `/generate` bodies in, results out.
+"""What the interpreter needs from a backend: one `Call` per generation in, a result out.
 
-Every backend speaks the runtime's native body (`text`, `sampling_params`,
-`return_logprob`, ...) for exactly one prompt, so a program produces the same
-requests whichever backend runs it.
+A `Call` holds the program's text so far and, for chat APIs, its finished
+turns and the open one. Results have the runtime's native shape (`text`,
+`output_ids`, `meta_info`). The runtime backends send the native body
+(`Call.native_body()`), so a program makes the same requests whichever of
+them runs it.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -19,14 +22,32 @@ class BackendError(RuntimeError):
     """The backend refused or failed a request; the message is the runtime's."""
 
 
+@dataclass
+class Call:
+    """One generation a program asks for."""
+
+    text: str  # everything the program wrote so far: the prompt
+    sampling_params: dict[str, Any]  # native names (max_new_tokens, stop, regex, ...)
+    messages: list[dict[str, str]] = field(default_factory=list)  # finished chat turns
+    turn: tuple[str, str] | None = None  # the open turn: (role, its text so far)
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+
+    def native_body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"text": self.text, "sampling_params": self.sampling_params}
+        if self.return_logprob:
+            body.update(return_logprob=True, top_logprobs_num=self.top_logprobs_num)
+        return body
+
+
 class Backend(ABC):
     @abstractmethod
-    def generate(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The result (`text`, `output_ids`, `meta_info`) of one native request."""
+    def generate(self, call: Call) -> dict[str, Any]:
+        """The result (`text`, `output_ids`, `meta_info`) of one generation."""
 
     @abstractmethod
-    def stream(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        """The chunks of one native request (each with the new `text`), the last with its finish reason."""
+    def stream(self, call: Call) -> Iterator[dict[str, Any]]:
+        """The chunks of one generation (each with the new `text`), the last with its finish reason."""
 
     @abstractmethod
     def model_info(self) -> dict[str, Any]:
@@ -37,13 +58,14 @@ class Backend(ABC):
         info = self.model_info()
         return from_model(info.get("chat_template"), info.get("bos_token"))
 
-    def select(self, text: str, choices: list[str], method: str) -> dict[str, Any]:
-        """Score `choices` after `text`: the result's text is the chosen one, its meta_info has the scores."""
-        return self.generate({"text": text, "sampling_params": {"choices": choices, "choices_method": method}})
+    def select(self, call: Call, choices: list[str], method: str) -> dict[str, Any]:
+        """Score `choices` after the call's text: the result's text is the chosen one, its
+        meta_info has `normalized_scores` (one per choice) and `selected_index`."""
+        return self.generate(Call(call.text, {"choices": choices, "choices_method": method}))
 
     def cache_prefix(self, text: str) -> None:
         """Prefill `text` into the prefix cache (no generation), so that what follows shares it."""
-        self.generate({"text": text, "sampling_params": {"max_new_tokens": 0}})
+        self.generate(Call(text, {"max_new_tokens": 0}))
 
     def shutdown(self) -> None:
         """Release what the backend holds (processes, connections)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from frontend_lang.backends.base import Backend, BackendError
+from frontend_lang.backends.base import Backend, BackendError, Call
 from runtime.engine import Engine
 
 
@@ -14,15 +14,15 @@ class Runtime(Backend):
         """Start the tokenizer and scheduler processes; options are ServerArgs fields."""
         self.engine = Engine(model_path, **server_args)
 
-    def generate(self, body: dict[str, Any]) -> dict[str, Any]:
+    def generate(self, call: Call) -> dict[str, Any]:
         try:
-            return self.engine.generate(**_arguments(body))
+            return self.engine.generate(**_arguments(call))
         except ValueError as e:  # refused by the runtime (RequestFailed, BadRequest, SamplingParamsError)
             raise BackendError(str(e)) from None
 
-    def stream(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    def stream(self, call: Call) -> Iterator[dict[str, Any]]:
         try:
-            yield from self.engine.stream(**_arguments(body))
+            yield from self.engine.stream(**_arguments(call))
         except ValueError as e:
             raise BackendError(str(e)) from None
 
@@ -36,7 +36,6 @@ class Runtime(Backend):
         self.engine.shutdown()
 
 
-def _arguments(body: dict[str, Any]) -> dict[str, Any]:
-    """A native body of the interpreter's (one text prompt) as Engine keyword arguments."""
-    return {"prompt": body["text"], "sampling_params": body.get("sampling_params"),
-            "return_logprob": body.get("return_logprob", False), "top_logprobs_num": body.get("top_logprobs_num", 0)}
+def _arguments(call: Call) -> dict[str, Any]:
+    return {"prompt": call.text, "sampling_params": call.sampling_params, "return_logprob": call.return_logprob,
+            "top_logprobs_num": call.top_logprobs_num}

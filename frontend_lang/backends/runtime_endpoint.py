@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import orjson
 
-from frontend_lang.backends.base import Backend, BackendError
+from frontend_lang.backends.base import Backend, BackendError, Call
 
 
 class RuntimeEndpoint(Backend):
@@ -17,13 +17,13 @@ class RuntimeEndpoint(Backend):
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
 
-    def generate(self, body: dict[str, Any]) -> dict[str, Any]:
-        r = self._http.post("/generate", json=body)
+    def generate(self, call: Call) -> dict[str, Any]:
+        r = self._http.post("/generate", json=call.native_body())
         _check(r)
         return r.json()
 
-    def stream(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        with self._http.stream("POST", "/generate", json={**body, "stream": True}) as r:
+    def stream(self, call: Call) -> Iterator[dict[str, Any]]:
+        with self._http.stream("POST", "/generate", json={**call.native_body(), "stream": True}) as r:
             if r.status_code != 200:
                 r.read()
                 _check(r)

@@ -82,6 +82,7 @@ class _OpenAIRequest(BaseModel):
     min_tokens: StrictInt | None = None
     ignore_eos: bool | None = None
     regex: str | None = None
+    json_schema: str | None = None  # a JSON schema as a string (chat also has response_format)
     skip_special_tokens: bool | None = None
     stop_token_ids: list[TokenId] | None = None
 
@@ -298,6 +299,7 @@ def _sampling_params(req: _OpenAIRequest, max_new_tokens: int | None) -> dict[st
         "min_new_tokens": req.min_tokens,
         "ignore_eos": req.ignore_eos,
         "regex": req.regex,
+        "json_schema": req.json_schema,
         "skip_special_tokens": req.skip_special_tokens,
         "stop_token_ids": req.stop_token_ids,
     }
@@ -441,11 +443,11 @@ def completion_logprobs(
     logprob and no alternatives: ``null``, as OpenAI sends it.
     """
     pairs = list(meta.get("output_token_logprobs") or [])
-    tops = list(meta.get("output_top_logprobs") or [None] * len(pairs))
+    tops = _padded(meta.get("output_top_logprobs"), len(pairs))
     if echo:
         prompt_pairs = meta.get("input_token_logprobs") or []
         pairs = prompt_pairs + pairs
-        tops = list(meta.get("input_top_logprobs") or [None] * len(prompt_pairs)) + tops
+        tops = _padded(meta.get("input_top_logprobs"), len(prompt_pairs)) + tops
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for (logprob, token_id, *_), top in zip(pairs, tops):
         token = decode(token_id)
@@ -474,6 +476,12 @@ def _chat_token(logprob: float, token_id: int, decode: Decode) -> dict[str, Any]
     # NOTE: a token holding part of a UTF-8 character decodes to U+FFFD, so
     # its bytes are those of U+FFFD, not the token's raw bytes.
     return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
+
+
+def _padded(tops: list | None, n: int) -> list:
+    """Top-logprob entries for n tokens: without top_logprobs the runtime sends fewer (or none)."""
+    tops = list(tops or [])
+    return tops + [None] * (n - len(tops))
 
 
 def _top_dict(top: list[list[Any]] | None, decode: Decode) -> dict[str, float]:

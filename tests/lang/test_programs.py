@@ -153,3 +153,46 @@ def test_json_and_regex_outputs_validate(endpoint):
     state = extract.run(text="Lyon has 520000 inhabitants.", backend=endpoint)
     jsonschema.validate(json.loads(state["data"]), schema)
     assert re.fullmatch(r"\+[0-9]{2,3}", state["phone"])
+
+
+@fl.function
+def chat_and_pick(s):
+    s += fl.system("You are a geography tutor.")
+    s += fl.user("What is the capital of Japan?")
+    s += fl.assistant(fl.gen("answer", max_tokens=20))
+
+
+def test_openai_backend_chat_model_equals_the_native_program(endpoint, server):
+    native = chat_and_pick.run(backend=endpoint, temperature=0)
+    chat = chat_and_pick.run(backend=fl.OpenAI("default", base_url=server.url + "/v1"), temperature=0)
+    assert chat["answer"] == native["answer"]
+    assert chat.get_meta_info("answer")["prompt_tokens"] == native.get_meta_info("answer")["prompt_tokens"]
+
+    @fl.function
+    def pick(s):
+        s += fl.user("Yes or no?")
+        s += fl.assistant(fl.select("x", ["yes", "no"]))
+
+    with pytest.raises(fl.ProgramError, match="chat completions do not return"):
+        pick.run(backend=fl.OpenAI("default", base_url=server.url + "/v1"))
+
+    @fl.function
+    def mid_turn(s):
+        s += fl.user("Hi")
+        s += fl.assistant("Well, " + fl.gen("x", max_tokens=4))
+
+    with pytest.raises(fl.ProgramError, match="whole assistant turns"):
+        mid_turn.run(backend=fl.OpenAI("default", base_url=server.url + "/v1"))
+
+
+def test_openai_backend_completions_model_scores_select_by_echoed_logprobs(endpoint, server):
+    completions = fl.OpenAI("default", base_url=server.url + "/v1", is_chat_model=False, chat_template="chatml")
+    via_openai = interview.run(topic="the Moon", backend=completions, temperature=0)
+    native = interview.run(topic="the Moon", backend=endpoint, temperature=0)
+    assert via_openai["fact"] == native["fact"]
+    assert via_openai["verdict"] == native["verdict"]
+    ours = via_openai.get_meta_info("verdict")["normalized_scores"]
+    theirs = native.get_meta_info("verdict")["normalized_scores"]
+    assert ours == pytest.approx(theirs, abs=1e-3)
+    assert via_openai["year"] == native["year"]  # regex through extra_body
+    assert json.loads(via_openai["json"]) == json.loads(native["json"])  # json_schema through response_format

@@ -104,3 +104,15 @@ def test_response_format_json_schema(client):
     r = client.completions.create(model="default", prompt="A JSON object describing a cat: ", max_tokens=60,
                                   temperature=0, extra_body={"regex": r"\{\"name\": \"[A-Za-z]{1,12}\"\}"})
     assert json.loads(r.choices[0].text)["name"].isalpha()
+
+
+@pytest.mark.parametrize("top", [0, 2])
+def test_echo_scores_every_prompt_token(client, top):
+    """`echo` + `logprobs` with max_tokens=0 scores the prompt itself (how a client scores given text)."""
+    prompt = "Is the sky blue? Answer: yes"
+    r = client.completions.create(model="default", prompt=prompt, max_tokens=0, echo=True, logprobs=top)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == prompt and "".join(lp.tokens) == prompt
+    assert lp.token_logprobs[0] is None and all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == len(lp.top_logprobs) > 5
+    assert all(len(t) == min(top, 1) or len(t) >= top for t in lp.top_logprobs[1:])

@@ -19,7 +19,8 @@ class Scripted(fl.Backend):
         self._template = template
         self.lock = threading.Lock()
 
-    def generate(self, body):
+    def generate(self, call):
+        body = call.native_body()
         with self.lock:
             self.bodies.append(body)
         params = body["sampling_params"]
@@ -30,8 +31,8 @@ class Scripted(fl.Backend):
             return {"text": params["choices"][-1], "output_ids": [], "meta_info": {"selected_index": 1}}
         return {"text": self.reply, "output_ids": [1], "meta_info": {"cached_tokens": 0}}
 
-    def stream(self, body):
-        for ch in self.generate(body)["text"]:
+    def stream(self, call):
+        for ch in self.generate(call)["text"]:
             yield {"text": ch, "meta_info": {}}
 
     def model_info(self):
