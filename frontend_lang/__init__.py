@@ -39,11 +39,11 @@ from frontend_lang.chat_template import ChatTemplate, get_chat_template
 from frontend_lang.interpreter import ForkGroup, ProgramError, ProgramState
 
 
-def Runtime(model_path=None, **server_args):  # noqa: N802 - a class to its users; imported late (torch)
-    """A local runtime in the background, spoken to over ZeroMQ; see backends/runtime.py."""
+def Runtime(model_path=None, attach=None, **server_args):  # noqa: N802 - a class to its users; imported late (torch)
+    """A local runtime in the background (or a running server's, `attach=url`), over ZeroMQ; see backends/runtime.py."""
     from frontend_lang.backends.runtime import Runtime as _Runtime
 
-    return _Runtime(model_path, **server_args)
+    return _Runtime(model_path, attach, **server_args)
 
 
 def OpenAI(model, base_url=None, api_key=None, is_chat_model=True, chat_template="plain"):  # noqa: N802

@@ -24,9 +24,19 @@ class Engine(GenerateAPI):
         """Options are ServerArgs fields (page_size, max_total_tokens, ...)."""
         self.args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         self._group = launch_processes(self.args)
-        self._client = SyncRuntimeClient(self._group.client_address)
+        self._client: SyncRuntimeClient | None = SyncRuntimeClient(self._group.client_address)
         self.info = self._group.info
         atexit.register(self.shutdown)
+
+    @classmethod
+    def attach(cls, client_address: str) -> Engine:
+        """An Engine over a runtime that is already running, e.g. a `radixlm serve` on this machine
+        (its `/get_server_info` has the `client_address`); `shutdown` only disconnects."""
+        engine = cls.__new__(cls)
+        engine.args, engine._group, engine.info = None, None, {}
+        engine._client = SyncRuntimeClient(client_address)
+        atexit.register(engine.shutdown)
+        return engine
 
     def chat(self, messages: list[dict[str, Any]], sampling_params: dict[str, Any] | None = None) -> dict[str, Any]:
         """Generate the assistant's reply to a conversation, rendered with the model's chat template."""
@@ -64,14 +74,16 @@ class Engine(GenerateAPI):
         return self._client.control("check_accounting")
 
     def shutdown(self) -> None:
-        """Stop the processes (idempotent; also runs at interpreter exit)."""
-        if self._group is None:
+        """Stop the processes this Engine started (idempotent; also runs at interpreter exit)."""
+        if self._client is None:
             return
         try:
             self._client.close()
         finally:
-            self._group.shutdown()
-            self._group = None
+            self._client = None
+            if self._group is not None:
+                self._group.shutdown()
+                self._group = None
             atexit.unregister(self.shutdown)
 
     def __enter__(self) -> Engine:

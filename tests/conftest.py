@@ -24,12 +24,12 @@ TINY_CONFIGS = {
 }
 
 
-def make_tiny_checkpoint(kind: str, path: str) -> None:
+def make_tiny_checkpoint(kind: str, path: str, vocab_size: int = TINY_VOCAB) -> None:
     import transformers
 
     cls_name, extra = TINY_CONFIGS[kind]
     config = getattr(transformers, cls_name)(
-        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1, **extra,
     )

@@ -1,4 +1,5 @@
-"""`Runtime`: a local runtime started in the background (an `Engine`), spoken to over ZeroMQ, no HTTP."""
+"""`Runtime`: a local runtime (an `Engine`: started in the background, or attached to a running
+server's), spoken to over ZeroMQ, no HTTP."""
 
 from __future__ import annotations
 
@@ -10,9 +11,20 @@ from runtime.engine import Engine
 
 
 class Runtime(Backend):
-    def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
-        """Start the tokenizer and scheduler processes; options are ServerArgs fields."""
-        self.engine = Engine(model_path, **server_args)
+    def __init__(self, model_path: str | None = None, attach: str | None = None, **server_args: Any) -> None:
+        """Start the tokenizer and scheduler processes (options are ServerArgs fields), or, with
+        `attach="http://host:port"`, use the runtime of a `radixlm serve` running on this machine."""
+        if attach is None:
+            self.engine = Engine(model_path, **server_args)
+            return
+        if model_path is not None or server_args:
+            raise ValueError("an attached runtime keeps the options it was started with")
+        import httpx
+
+        address = httpx.get(attach.rstrip("/") + "/get_server_info", timeout=30).json().get("client_address")
+        if not address:
+            raise BackendError(f"{attach} does not offer a ZeroMQ address to attach to")
+        self.engine = Engine.attach(address)
 
     def generate(self, call: Call) -> dict[str, Any]:
         try:

@@ -26,7 +26,8 @@ def serve(args: ServerArgs, host: str = "127.0.0.1", port: int = 30000) -> int:
     group = launch_processes(args)
     try:
         model_name = args.served_model_name or resolve_model(args.model_path).name
-        state = ServerState(RuntimeClient(group.client_address), group.info, dataclasses.asdict(args), model_name)
+        info = {**group.info, "client_address": group.client_address}  # for local clients that attach (ZeroMQ)
+        state = ServerState(RuntimeClient(group.client_address), info, dataclasses.asdict(args), model_name)
         app = create_app(state)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3)
         server = uvicorn.Server(config)

@@ -196,3 +196,16 @@ def test_openai_backend_completions_model_scores_select_by_echoed_logprobs(endpo
     assert ours == pytest.approx(theirs, abs=1e-3)
     assert via_openai["year"] == native["year"]  # regex through extra_body
     assert json.loads(via_openai["json"]) == json.loads(native["json"])  # json_schema through response_format
+
+
+def test_runtime_attaches_to_a_running_server(endpoint, server):
+    attached = fl.Runtime(attach=server.url)
+    try:
+        assert chat_and_pick.run(backend=attached, temperature=0)["answer"] == \
+            chat_and_pick.run(backend=endpoint, temperature=0)["answer"]
+    finally:
+        attached.shutdown()  # disconnects; the server's runtime keeps running
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert chat_and_pick.run(backend=endpoint, temperature=0)["answer"]
+    with pytest.raises(ValueError, match="keeps the options"):
+        fl.Runtime(attach=server.url, page_size=4)

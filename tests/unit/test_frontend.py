@@ -145,3 +145,13 @@ def test_gen_arguments_map_to_native_sampling_params():
         fl.select("z", [])
     with pytest.raises(TypeError, match="run"):
         chat("not a state", "q")
+
+
+def test_async_iteration_streams_pieces():
+    import asyncio
+
+    async def collect():
+        state = chat.run(q="x", backend=Scripted("xyz"), stream=True)
+        return [piece async for piece in state.text_async_iter("a")]
+
+    assert asyncio.run(collect()) == ["x", "y", "z"]
