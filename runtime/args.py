@@ -16,6 +16,8 @@ class ServerArgs:
     model_path: str | None = field(default=None, metadata={"help": "HF checkpoint directory or .gguf file (default: embedded SmolLM2-135M-Instruct)"})
     served_model_name: str | None = field(default=None, metadata={"help": "the model name the OpenAI API reports and accepts (default: the file or directory name)"})
     tokenizer_path: str | None = field(default=None, metadata={"help": "tokenizer directory if it differs from the model's"})
+    load_format: str = field(default="auto", metadata={
+        "help": "auto (the checkpoint's weights) or dummy (random weights of the config's shape, for benchmarks)"})
     dtype: str = field(default="auto", metadata={"help": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
     context_length: int | None = field(default=None, metadata={"help": "cap the model's context length"})
@@ -41,6 +43,8 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.attention_backend not in ATTENTION_BACKENDS + ("auto",):
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.page_size < 0:

@@ -76,3 +76,19 @@ def test_smollm2_page16_chunked_nocache_matches_hf(smol):
     for i, (r, ref) in enumerate(zip(results, smol.refs)):
         assert_matches(r["output_ids"], ref, f"smollm2 page16 prompt {i}")
     assert_drained(engine)
+
+
+def test_dummy_weights_need_only_a_config(tiny_llama, tmp_path):
+    """`--load-format dummy` (for benchmarks) builds the config's model with random weights: a
+    directory holding config.json alone serves, deterministically for a seed."""
+    import shutil
+
+    from runtime.local_engine import LocalEngine
+
+    shutil.copy(f"{tiny_llama.path}/config.json", tmp_path / "config.json")
+    outs = []
+    for _ in range(2):
+        engine = LocalEngine(str(tmp_path), load_format="dummy", skip_tokenizer_init=True, max_total_tokens=2048)
+        outs.append(engine.generate(input_ids=tiny_llama.prompts[:2], sampling_params={"max_new_tokens": 6, "temperature": 0}))
+    assert [r["output_ids"] for r in outs[0]] == [r["output_ids"] for r in outs[1]]
+    assert all(len(r["output_ids"]) == 6 for r in outs[0])

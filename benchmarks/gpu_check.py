@@ -1,0 +1,190 @@
+"""GPU check of the Triton attention kernels and the runtime on them (run by scripts/gpu_check.sh).
+
+    python benchmarks/gpu_check.py                 # on a CUDA machine: writes benchmarks/results/gpu.md
+    python benchmarks/gpu_check.py --dry-run       # anywhere: the same code paths, tiny shapes, interpreter
+
+1. correctness at real sizes: extend and decode against their torch references (bf16, paged, GQA);
+2. decode attention time (batch x context, Llama-3-8B heads) as achieved bytes/s against a
+   device-to-device copy measured in the same run;
+3. extend attention time as FLOP/s against torch's own SDPA (flash) on the same causal shapes;
+4. end to end: a random-weight Llama-3-8B-shaped model in bf16 (`load_format=dummy`), output tokens/s.
+Only widely available APIs: `triton.testing.do_bench`, `torch.nn.functional.scaled_dot_product_attention`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+DRY = "--dry-run" in sys.argv
+if DRY:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
+from kernels.extend_attention import extend_attention, extend_attention_reference  # noqa: E402
+
+DEVICE = "cpu" if DRY else "cuda"
+DTYPE = torch.float32 if DRY else torch.bfloat16
+# Llama-3-8B attention layout; tiny in the dry run
+HEADS, KV_HEADS, DIM = (4, 2, 64) if DRY else (32, 8, 128)
+PAGE = 16
+
+
+def bench_ms(fn) -> float:
+    if DRY:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=50)
+
+
+def paged(seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A token table over scattered pages: (table, rows, slots)."""
+    pages = [-(-n // PAGE) for n in seq_lens]
+    order = torch.randperm(sum(pages), device=DEVICE)
+    table = torch.zeros(len(seq_lens), max(pages) * PAGE, dtype=torch.int64, device=DEVICE)
+    used = 0
+    for b, n in enumerate(pages):
+        table[b, : n * PAGE] = (order[used:used + n, None] * PAGE + torch.arange(PAGE, device=DEVICE)).flatten()
+        used += n
+    return table, torch.arange(len(seq_lens), device=DEVICE), sum(pages) * PAGE
+
+
+def pool(slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.randn(slots, KV_HEADS, DIM, device=DEVICE, dtype=DTYPE),
+            torch.randn(slots, KV_HEADS, DIM, device=DEVICE, dtype=DTYPE))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def check_correctness(rows: list[str]) -> None:
+    prefix, extend = ([0, 17], [9, 5]) if DRY else ([0, 512, 1000], [1024, 1024, 77])
+    table, req_rows, slots = paged([p + e for p, e in zip(prefix, extend)])
+    k_cache, v_cache = pool(slots)
+    t = sum(extend)
+    q = torch.randn(t, HEADS, DIM, device=DEVICE, dtype=DTYPE)
+    k, v = (torch.randn(t, KV_HEADS, DIM, device=DEVICE, dtype=DTYPE) for _ in range(2))
+    args = (q, k, v, k_cache, v_cache, table, req_rows, torch.tensor(prefix, device=DEVICE),
+            torch.tensor(extend, device=DEVICE), DIM ** -0.5)
+    rows.append(f"| extend | prefix {prefix}, extend {extend} | {rel_err(extend_attention(*args), extend_attention_reference(*args)):.2e} |")
+    seq = [1, 40] if DRY else [1, 777, 4096, 8191]
+    table, req_rows, slots = paged(seq)
+    k_cache, v_cache = pool(slots)
+    q = torch.randn(len(seq), HEADS, DIM, device=DEVICE, dtype=DTYPE)
+    args = (q, k_cache, v_cache, table, req_rows, torch.tensor(seq, device=DEVICE), DIM ** -0.5)
+    rows.append(f"| decode | contexts {seq} | {rel_err(decode_attention(*args), decode_attention_reference(*args)):.2e} |")
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy (read + write) of a large buffer."""
+    n = (1 << 16) if DRY else (1 << 30)
+    src = torch.empty(n, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    return 2 * n / (bench_ms(lambda: dst.copy_(src)) * 1e-3)
+
+
+def time_decode(rows: list[str], copy_bw: float) -> None:
+    shapes = [(2, 64)] if DRY else [(64, 1024), (64, 8192), (256, 1024), (256, 4096)]
+    for batch, ctx in shapes:
+        table, req_rows, slots = paged([ctx] * batch)
+        k_cache, v_cache = pool(slots)
+        q = torch.randn(batch, HEADS, DIM, device=DEVICE, dtype=DTYPE)
+        seq = torch.full((batch,), ctx, device=DEVICE)
+        ms = bench_ms(lambda: decode_attention(q, k_cache, v_cache, table, req_rows, seq, DIM ** -0.5))
+        moved = 2 * batch * ctx * KV_HEADS * DIM * k_cache.element_size()
+        bw = moved / (ms * 1e-3)
+        rows.append(f"| {batch} | {ctx} | {ms:.3f} | {bw / 1e9:.0f} | {bw / copy_bw:.0%} |")
+
+
+def time_extend(rows: list[str]) -> None:
+    shapes = [(32, 0), (32, 32)] if DRY else [(1024, 0), (4096, 0), (8192, 0), (4096, 4096)]
+    for n, prefix in shapes:
+        table, req_rows, slots = paged([prefix + n])
+        k_cache, v_cache = pool(slots)
+        q = torch.randn(n, HEADS, DIM, device=DEVICE, dtype=DTYPE)
+        k, v = (torch.randn(n, KV_HEADS, DIM, device=DEVICE, dtype=DTYPE) for _ in range(2))
+        pre, ext = torch.tensor([prefix], device=DEVICE), torch.tensor([n], device=DEVICE)
+        ms = bench_ms(lambda: extend_attention(q, k, v, k_cache, v_cache, table, req_rows, pre, ext, DIM ** -0.5))
+        flops = 4 * HEADS * DIM * (n * (n + 1) / 2 + n * prefix)
+        ours = flops / (ms * 1e-3)
+        baseline = "-"
+        if prefix == 0:
+            qs = q.transpose(0, 1)[None]
+            ks, vs = (x.repeat_interleave(HEADS // KV_HEADS, 1).transpose(0, 1)[None] for x in (k, v))
+            sdpa_ms = bench_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
+            baseline = f"{flops / (sdpa_ms * 1e-3) / 1e12:.1f} ({ours / (flops / (sdpa_ms * 1e-3)):.2f}x)"
+        rows.append(f"| {n} | {prefix} | {ms:.3f} | {ours / 1e12:.1f} | {baseline} |")
+
+
+def end_to_end(rows: list[str]) -> None:
+    import transformers
+
+    from runtime.local_engine import LocalEngine
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512) if DRY else dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256)
+    requests, prompt, new = (2, 16, 4) if DRY else (128, 512, 128)
+    with tempfile.TemporaryDirectory() as path:
+        transformers.LlamaConfig(architectures=["LlamaForCausalLM"], max_position_embeddings=4096,
+                                 rope_theta=500000.0, **shape).save_pretrained(path)
+        engine = LocalEngine(path, load_format="dummy", skip_tokenizer_init=True, device=DEVICE,
+                             dtype="float32" if DRY else "bfloat16", attention_backend="triton",
+                             max_total_tokens=requests * (prompt + new) + 4096, page_size=PAGE)
+        ids = torch.randint(0, shape["vocab_size"], (requests, prompt)).tolist()
+        params = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
+        engine.generate(input_ids=ids[:2], sampling_params={**params, "max_new_tokens": 2})  # warm up
+        start = time.perf_counter()
+        results = engine.generate(input_ids=ids, sampling_params=params)
+        wall = time.perf_counter() - start
+    tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
+    rows.append(f"| {requests} x ({prompt} prompt + {new} new) | {wall:.1f} | {tokens / wall:.0f} | "
+                f"{requests * (prompt + new) / wall:.0f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes under the Triton interpreter (CPU)")
+    ap.add_argument("--out", default=None, help="markdown file (default: benchmarks/results/gpu.md on a GPU)")
+    args = ap.parse_args()
+    if not DRY and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run with --dry-run")
+    torch.manual_seed(0)
+    device = "CPU (Triton interpreter, dry run)" if DRY else torch.cuda.get_device_name()
+    lines = [f"# GPU check: {device}", "", f"torch {torch.__version__}, {DTYPE}, heads {HEADS}/{KV_HEADS} x {DIM}, page {PAGE}", ""]
+    lines += ["## Correctness (relative error against the torch reference)", "", "| kernel | shapes | rel. error |",
+              "|---|---|---|"]
+    check_correctness(lines)
+    bw = copy_bandwidth()
+    lines += ["", f"## Decode attention (copy bandwidth {bw / 1e9:.0f} GB/s)", "",
+              "| batch | context | ms | GB/s | of copy |", "|---|---|---|---|---|"]
+    time_decode(lines, bw)
+    lines += ["", "## Extend attention (causal; FLOP/s)", "",
+              "| new tokens | cached prefix | ms | TFLOP/s | torch SDPA TFLOP/s (ours/theirs) |", "|---|---|---|---|---|"]
+    time_extend(lines)
+    lines += ["", "## End to end (random-weight Llama-3-8B shape)", "", "| workload | wall s | output tok/s | total tok/s |",
+              "|---|---|---|---|"]
+    end_to_end(lines)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = args.out or (None if DRY else os.path.join(os.path.dirname(__file__), "results", "gpu.md"))
+    if out:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

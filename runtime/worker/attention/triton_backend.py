@@ -1,0 +1,45 @@
+"""Attention with the Triton kernels in `kernels/`: the K/V store, extend and split-KV decode.
+
+The default on CUDA. On a CPU it runs only under Triton's interpreter
+(TRITON_INTERPRET=1 set before triton is first imported): slow, for tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.common import interpreting
+from runtime.worker.attention.base import AttentionBackend
+from runtime.worker.forward_batch import ForwardBatch, ForwardMode
+
+# context splits per request in decode (merged in a second, tiny kernel); the interpreter runs
+# each program in Python, so there fewer is faster
+DECODE_SPLITS = 2 if interpreting() else 8
+
+
+class TritonAttention(AttentionBackend):
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda" and not interpreting():
+            raise RuntimeError("the triton attention backend needs CUDA, or on a CPU Triton's interpreter: "
+                               "set TRITON_INTERPRET=1 before starting (slow; for tests), or use --attention-backend torch")
+        from kernels.decode_attention import decode_attention
+        from kernels.extend_attention import extend_attention
+        from kernels.kv_store import store_kv
+
+        self._decode, self._extend, self._store = decode_attention, extend_attention, store_kv
+
+    def prepare(self, fb: ForwardBatch) -> None:
+        fb.attn_meta = None  # the kernels read the batch's own tensors
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+                fb: ForwardBatch) -> torch.Tensor:
+        k_cache, v_cache = fb.kv_pool.k[layer], fb.kv_pool.v[layer]
+        k, v = k.contiguous(), v.contiguous()
+        self._store(k_cache, v_cache, fb.out_slots, k, v)
+        q = q.contiguous()
+        table = fb.req_to_token.table
+        if fb.mode is ForwardMode.DECODE:
+            return self._decode(q, k_cache, v_cache, table, fb.req_rows, fb.seq_lens, scale,
+                                num_splits=DECODE_SPLITS)
+        return self._extend(q, k, v, k_cache, v_cache, table, fb.req_rows, fb.prefix_lens, fb.extend_lens, scale,
+                            max_extend_len=fb.max_extend_len)

@@ -1,0 +1,113 @@
+"""The Triton kernels against their torch references (on a CPU: Triton's interpreter, small shapes).
+
+Inputs are random (never zeros), the pool is paged with pages scattered at
+random, and outputs start as NaN so an element a kernel fails to write fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.decode_attention import decode_attention, decode_attention_reference
+from kernels.extend_attention import extend_attention, extend_attention_reference
+from kernels.kv_store import store_kv, store_kv_reference
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def paged_table(seq_lens: list[int], page: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A token table whose rows hold each request's positions in pages scattered over the pool,
+    rows in shuffled order; returns (table, rows, pool slots)."""
+    pages_each = [-(-n // page) for n in seq_lens]
+    num_pages = sum(pages_each) + 3  # some pages nobody uses
+    order = torch.randperm(num_pages, generator=gen)
+    width = max(pages_each) * page
+    rows = torch.randperm(len(seq_lens) + 2, generator=gen)[: len(seq_lens)]
+    table = torch.zeros(len(seq_lens) + 2, width, dtype=torch.int64)
+    used = 0
+    for row, n in zip(rows.tolist(), pages_each):
+        pages = order[used:used + n]
+        used += n
+        table[row, : n * page] = (pages[:, None] * page + torch.arange(page)).flatten()
+    return table, rows, num_pages * page
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def make_pool(slots: int, kv_heads: int, dim: int, dtype: torch.dtype, gen: torch.Generator):
+    return (torch.randn(slots, kv_heads, dim, generator=gen).to(dtype),
+            torch.randn(slots, kv_heads, dim, generator=gen).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("group,dim", [(1, 64), (3, 64), (4, 128), (8, 64)])
+def test_extend_attention_matches_reference(dtype, page, group, dim):
+    gen = torch.Generator().manual_seed(group * 100 + dim + page)
+    kv_heads = 2
+    heads = kv_heads * group
+    prefix = [0, 1, page - 1 if page > 1 else 2, page, 40]  # none, one token, page edges, several pages
+    extend = [5, 1, 17, 3, 9]
+    table, rows, slots = paged_table([p + e for p, e in zip(prefix, extend)], page, gen)
+    k_cache, v_cache = make_pool(slots, kv_heads, dim, dtype, gen)
+    tokens = sum(extend)
+    q = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
+    k_new, v_new = (torch.randn(tokens, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+    args = (q, k_new, v_new, k_cache, v_cache, table, rows, torch.tensor(prefix), torch.tensor(extend), dim ** -0.5)
+    out = torch.full_like(q, float("nan"))
+    extend_attention(*args, out=out)
+    ref = extend_attention_reference(*args)
+    assert not out.isnan().any(), "some outputs were never written"
+    assert relative_error(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("group,dim,splits", [(1, 64, 4), (3, 64, 2), (4, 128, 8), (8, 64, 3)])
+def test_decode_attention_matches_reference(dtype, page, group, dim, splits):
+    gen = torch.Generator().manual_seed(group * 100 + dim + page + splits)
+    kv_heads = 2
+    heads = kv_heads * group
+    seq_lens = [1, page, page + 1, 7, 70]  # shorter than the splits, page edges, long
+    table, rows, slots = paged_table(seq_lens, page, gen)
+    k_cache, v_cache = make_pool(slots, kv_heads, dim, dtype, gen)
+    q = torch.randn(len(seq_lens), heads, dim, generator=gen).to(dtype)
+    args = (q, k_cache, v_cache, table, rows, torch.tensor(seq_lens), dim ** -0.5)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(*args, num_splits=splits, out=out)
+    ref = decode_attention_reference(*args)
+    assert not out.isnan().any(), "some outputs were never written"
+    assert relative_error(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_kv_writes_exactly_the_given_slots(dtype):
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache = make_pool(64, 2, 128, dtype, gen)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(64, generator=gen)[:9]
+    k, v = (torch.randn(9, 2, 128, generator=gen).to(dtype) for _ in range(2))
+    store_kv(k_cache, v_cache, slots, k, v)
+    store_kv_reference(expected_k, expected_v, slots, k, v)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_a_chunked_prefill_equals_the_whole_prefill():
+    """A chunk is an extend whose prefix is the earlier chunks: two chunks give the whole's output."""
+    gen = torch.Generator().manual_seed(5)
+    n, split, heads, kv_heads, dim = 37, 20, 4, 2, 64
+    table, rows, slots = paged_table([n], 16, gen)
+    k_cache, v_cache = make_pool(slots, kv_heads, dim, torch.float32, gen)
+    q = torch.randn(n, heads, dim, generator=gen)
+    k, v = (torch.randn(n, kv_heads, dim, generator=gen) for _ in range(2))
+    positions = table[rows[0], :n]
+    whole = extend_attention(q, k, v, k_cache, v_cache, table, rows, torch.tensor([0]), torch.tensor([n]), 0.125)
+    store_kv(k_cache, v_cache, positions[:split], k[:split], v[:split])
+    first = extend_attention(q[:split], k[:split], v[:split], k_cache, v_cache, table, rows, torch.tensor([0]),
+                             torch.tensor([split]), 0.125)
+    second = extend_attention(q[split:], k[split:], v[split:], k_cache, v_cache, table, rows,
+                              torch.tensor([split]), torch.tensor([n - split]), 0.125)
+    assert relative_error(torch.cat([first, second]), whole) < 1e-5

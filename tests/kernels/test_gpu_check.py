@@ -1,0 +1,20 @@
+"""`scripts/gpu_check.sh --dry-run`: the GPU check's code paths on tiny shapes under the interpreter."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_gpu_check_dry_run_prints_every_table():
+    done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--dry-run"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    for title in ("## Correctness", "## Decode attention", "## Extend attention", "## End to end"):
+        assert title in out
+    errors = [float(x) for x in re.findall(r"^\| (?:extend|decode) \|.*\| ([0-9.e+-]+) \|$", out, re.M)]
+    assert len(errors) == 2 and max(errors) < 1e-5, out
