@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -30,15 +31,20 @@ def load_kv(k_base, v_base, offs, mask, UPCAST: tl.constexpr):
     return kb, vb
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs: exact ("ieee"); on a GPU tl.dot would otherwise round them to tf32."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 @triton.jit
-def attend_block(qv, kb, vb, visible, scale, m_i, l_i, acc):
+def attend_block(qv, kb, vb, visible, scale, m_i, l_i, acc, PRECISION: tl.constexpr):
     """One step of the online softmax: fold a block of keys/values into the running max `m_i`,
     normaliser `l_i` and unnormalised output `acc` of the queries `qv`."""
-    scores = tl.dot(qv, tl.trans(kb)) * scale
+    scores = tl.dot(qv, tl.trans(kb), input_precision=PRECISION) * scale
     scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     p = tl.exp(scores - m_new[:, None])
     alpha = tl.exp(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PRECISION)
     return m_new, l_i, acc

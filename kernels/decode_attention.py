@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import attend_block, block_size, interpreting, load_kv
+from kernels.common import attend_block, block_size, dot_precision, interpreting, load_kv
 
 
 @triton.jit
@@ -24,7 +24,8 @@ def _decode_stage1(
     stride_qb, stride_qh, stride_cs, stride_ch, stride_t,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -54,7 +55,7 @@ def _decode_stage1(
         slots = tl.load(table + row * stride_t + offs_n, mask=n_mask, other=0)
         kb, vb = load_kv(k_cache, v_cache, slots[:, None] * stride_cs + kv_head * stride_ch + offs_d[None, :],
                          n_mask[:, None] & d_mask[None, :], UPCAST)
-        m_i, l_i, acc = attend_block(qv, kb, vb, n_mask[None, :], scale, m_i, l_i, acc)
+        m_i, l_i, acc = attend_block(qv, kb, vb, n_mask[None, :], scale, m_i, l_i, acc, PRECISION)
 
     has = l_i > 0  # an empty split (short context) contributes nothing
     safe_l = tl.where(has, l_i, 1.0)
@@ -103,6 +104,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mid_out.stride(0), mid_out.stride(1), mid_out.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=dim, NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=block_size(64), UPCAST=interpreting() or q.dtype == torch.float32,
+        PRECISION=dot_precision(q.dtype),
     )
     _decode_stage2[(batch, heads)](
         mid_out, mid_lse, out, mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),

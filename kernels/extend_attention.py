@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import attend_block, block_size, interpreting, load_kv
+from kernels.common import attend_block, block_size, dot_precision, interpreting, load_kv
 
 
 @triton.jit
@@ -22,7 +22,7 @@ def _extend_kernel(
     q, k_new, v_new, k_cache, v_cache, out, table, rows, prefix_lens, extend_lens, q_starts, scale,
     stride_qt, stride_qh, stride_nt, stride_nh, stride_cs, stride_ch, stride_ot, stride_oh, stride_t,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -54,7 +54,7 @@ def _extend_kernel(
         slots = tl.load(table + row * stride_t + offs_n, mask=n_mask, other=0)
         kb, vb = load_kv(k_cache, v_cache, slots[:, None] * stride_cs + kv_head * stride_ch + offs_d[None, :],
                          n_mask[:, None] & d_mask[None, :], UPCAST)
-        m_i, l_i, acc = attend_block(qv, kb, vb, n_mask[None, :], scale, m_i, l_i, acc)
+        m_i, l_i, acc = attend_block(qv, kb, vb, n_mask[None, :], scale, m_i, l_i, acc, PRECISION)
 
     # stage 2: the new tokens, causally (keys up to the block's last query)
     end = tl.minimum(extend, (m_block + 1) * BLOCK_M)
@@ -64,7 +64,7 @@ def _extend_kernel(
         kb, vb = load_kv(k_new, v_new, (q0 + offs_n)[:, None] * stride_nt + kv_head * stride_nh + offs_d[None, :],
                          n_mask[:, None] & d_mask[None, :], UPCAST)
         causal = (offs_n[None, :] <= offs_m[:, None]) & n_mask[None, :]
-        m_i, l_i, acc = attend_block(qv, kb, vb, causal, scale, m_i, l_i, acc)
+        m_i, l_i, acc = attend_block(qv, kb, vb, causal, scale, m_i, l_i, acc, PRECISION)
 
     result = acc / l_i[:, None]
     tl.store(out + (q0 + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -94,6 +94,7 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         out.stride(0), out.stride(1), table.stride(0),
         GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(dim), UPCAST=interpreting() or q.dtype == torch.float32,
+        PRECISION=dot_precision(q.dtype),
     )
     return out
 

@@ -1,4 +1,4 @@
-"""The `radixlm` command: `radixlm generate "prompt"` (and `serve`, `bench` as they arrive)."""
+"""The `radixlm` command: `generate`, `serve`, `bench serve`."""
 
 from __future__ import annotations
 
@@ -24,7 +24,13 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=30000)
     ServerArgs.add_cli_args(srv)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    from runtime import bench_serve
+
+    bench_serve.add_cli_args(bench.add_parser("serve", help="online serving benchmark against a running server"))
     ns = parser.parse_args(argv)
+    if ns.command == "bench":
+        return bench_serve.main(ns)
     if ns.command == "generate":
         return _generate(ns)
     if ns.command == "serve":

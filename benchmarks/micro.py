@@ -1,0 +1,156 @@
+"""Micro-benchmarks: the radix cache's operations, the scheduler's own cost per step, and this
+machine's roofline against SmolLM2's decode step.
+
+    python benchmarks/micro.py            # --quick: small sizes (CI)
+
+1. radix cache: match / insert / evict operations per second at 10k-100k tree nodes;
+2. scheduler overhead per step with a fake worker (no model) at 1-512 running requests;
+3. roofline: measured memory bandwidth and fp32 matmul rate; SmolLM2's decode step at batch
+   1 / 8 / 32 against the floor max(weight bytes / bandwidth, FLOPs / matmul rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from runtime.args import ServerArgs  # noqa: E402
+from runtime.cache.allocator import PageAllocator  # noqa: E402
+from runtime.cache.kv_pool import ReqToTokenTable  # noqa: E402
+from runtime.cache.radix_cache import RadixCache  # noqa: E402
+from runtime.messages import TokenizedRequest  # noqa: E402
+from runtime.sampling_params import SamplingParams  # noqa: E402
+from runtime.scheduler.scheduler import Scheduler  # noqa: E402
+from runtime.worker.model_worker import WorkerOutput  # noqa: E402
+
+
+def timed(fn, *args) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+# ---- 1. radix cache ----------------------------------------------------------------------------
+
+def radix_rows(leaves: int, rng: random.Random) -> list[str]:
+    """Insert `leaves` requests (64 shared trunks of 64 tokens + a 32-token own tail), then time
+    matches (half hits), then evict everything."""
+    trunks = [[rng.randrange(50000) for _ in range(64)] for _ in range(64)]
+    seqs = [rng.choice(trunks) + [rng.randrange(50000) for _ in range(32)] for _ in range(leaves)]
+    alloc = PageAllocator(leaves * 96 + 1024, 1)
+    cache = RadixCache(alloc)
+
+    def insert_all() -> None:
+        for seq in seqs:
+            m = cache.match_prefix(seq)
+            cache.lock(m.node)
+            slots = torch.cat([m.slots, alloc.alloc(len(seq) - len(m.slots))])
+            cache.cache_request(seq, slots, len(m.slots), m.node)
+
+    t_insert = timed(insert_all)
+    nodes = cache._num_nodes
+    probes = [rng.choice(seqs) if i % 2 else rng.choice(trunks) + [1, 2, 3] for i in range(leaves)]
+    t_match = timed(lambda: [cache.match_prefix(p) for p in probes])
+    pages = cache.evictable_pages
+    t_evict = timed(lambda: [cache.evict(64) for _ in range(pages // 64 + 1)])
+    return [f"| {leaves} | {nodes} | {leaves / t_insert:,.0f} | {leaves / t_match:,.0f} | {pages / t_evict:,.0f} |"]
+
+
+# ---- 2. scheduler overhead -----------------------------------------------------------------------
+
+class FakeWorker:
+    """The scheduler's view of a worker, without a model: every request gets token 7."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.device = torch.device("cpu")
+        self.context_length = 4096
+        self.config = SimpleNamespace(eos_token_ids=[2], vocab_size=32000)
+        self.num_pages, self.page_size = num_pages, 1
+        self.req_to_token = ReqToTokenTable(1024, self.context_length, self.device)
+
+    def forward(self, batch) -> WorkerOutput:
+        return WorkerOutput(next_token_ids=[7] * len(batch.sample_rows))
+
+
+def scheduler_rows(running: int, steps: int) -> list[str]:
+    args = ServerArgs(max_running_requests=1024, chunked_prefill_size=1 << 20, max_prefill_tokens=1 << 20)
+    sched = Scheduler(args, FakeWorker(running * 300 + 4096))
+    rng = random.Random(running)
+    for i in range(running):
+        prompt = [rng.randrange(100, 30000) for _ in range(128)]
+        sched.add_request(TokenizedRequest(f"r{i}", prompt, SamplingParams(max_new_tokens=steps + 10, ignore_eos=True)))
+    while sched.waiting or sched.chunked:  # admit and prefill everyone
+        sched.step()
+    assert len(sched.running) == running
+    start = time.perf_counter()
+    for _ in range(steps):
+        sched.step()
+    per_step = (time.perf_counter() - start) / steps
+    return [f"| {running} | {per_step * 1e3:.3f} | {per_step / running * 1e6:.1f} |"]
+
+
+# ---- 3. roofline ----------------------------------------------------------------------------------
+
+def roofline_rows(quick: bool) -> tuple[list[str], list[str]]:
+    n = 1 << (24 if quick else 27)  # bytes copied
+    src = torch.empty(n, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    bandwidth = 2 * n / min(timed(dst.copy_, src) for _ in range(5))
+    size = 512 if quick else 2048
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    flops = 2 * size ** 3 / min(timed(torch.mm, a, b) for _ in range(3))
+    machine = [f"| memory bandwidth (copy) | {bandwidth / 1e9:.1f} GB/s |",
+               f"| fp32 matmul ({size}²) | {flops / 1e9:.0f} GFLOP/s |"]
+    from runtime.local_engine import LocalEngine
+
+    engine = LocalEngine(max_total_tokens=8192)
+    params = sum(p.numel() for p in engine.worker.model.parameters())
+    weight_bytes = params * 4
+    rows = []
+    new = 8 if quick else 32
+    for batch in ([1, 8] if quick else [1, 8, 32]):
+
+        def run(tokens: int, first: int) -> float:
+            ids = [[first + i] * 64 for i in range(batch)]
+            params = {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 0}
+            return timed(lambda: engine.generate(input_ids=ids, sampling_params=params))
+
+        run(2, 100)  # warm up
+        # decode steps alone: a run of `new` tokens less a prefill-only run of fresh prompts
+        step = (run(new, 1000) - run(1, 2000)) / (new - 1)
+        floor = max(weight_bytes / bandwidth, 2 * params * batch / flops)
+        rows.append(f"| {batch} | {step * 1e3:.1f} | {floor * 1e3:.1f} | {step / floor:.2f}x |")
+    return machine, rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes (CI: proves the script works)")
+    args = ap.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    rng = random.Random(0)
+    print(f"## Radix cache ({'quick' if args.quick else 'full'})\n")
+    print("| requests | tree nodes | insert/s | match/s | evicted pages/s |\n|---|---|---|---|---|")
+    for leaves in ([1000] if args.quick else [10_000, 30_000, 100_000]):
+        print(*radix_rows(leaves, rng), sep="\n")
+    print("\n## Scheduler overhead per decode step (fake worker, no model)\n")
+    print("| running | ms/step | µs/request |\n|---|---|---|")
+    for running in ([1, 32] if args.quick else [1, 8, 32, 128, 512]):
+        print(*scheduler_rows(running, 5 if args.quick else 30), sep="\n")
+    machine, rows = roofline_rows(args.quick)
+    print("\n## This machine\n\n| measure | value |\n|---|---|", *machine, sep="\n")
+    print("\n## SmolLM2-135M fp32 step time against the roofline floor\n")
+    print("| batch | ms/step | floor ms | ratio |\n|---|---|---|---|", *rows, sep="\n")
+
+
+if __name__ == "__main__":
+    main()
