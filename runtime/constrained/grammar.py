@@ -150,14 +150,17 @@ def compiler_factory(tokenizer: object, vocab_size: int, eos_token_ids: Sequence
     """A zero-argument maker of the GrammarCompiler, for the scheduler to call on first use."""
 
     def make() -> GrammarCompiler:
-        from runtime.constrained.vocabulary import build_vocabulary, token_bytes
+        from runtime.constrained.vocabulary import token_bytes, vocabulary_from_bytes
+
+        if not eos_token_ids:
+            raise ValueError("constrained decoding needs at least one EOS token id")
 
         def encode(text: str) -> list[int]:
             return tokenizer.encode(text, add_special_tokens=False)
 
-        jump = JumpForward(token_bytes(tokenizer, vocab_size, eos_token_ids), eos_token_ids[0], encode,
-                           pre_splitter(tokenizer))
-        return GrammarCompiler(build_vocabulary(tokenizer, vocab_size, eos_token_ids), jump_forward=jump)
+        table = token_bytes(tokenizer, vocab_size, eos_token_ids)  # one pass over the vocabulary, shared
+        jump = JumpForward(table, eos_token_ids[0], encode, pre_splitter(tokenizer))
+        return GrammarCompiler(vocabulary_from_bytes(table, eos_token_ids[0]), jump_forward=jump)
 
     return make
 

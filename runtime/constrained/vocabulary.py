@@ -63,11 +63,16 @@ def build_vocabulary(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[in
     """
     if not eos_token_ids:
         raise ValueError("build_vocabulary needs at least one EOS token id")
+    return vocabulary_from_bytes(token_bytes(tokenizer, vocab_size, eos_token_ids), eos_token_ids[0])
+
+
+def vocabulary_from_bytes(table: Sequence[bytes | None], eos_token_id: int) -> Vocabulary:
+    """The Vocabulary of a `token_bytes` table (tokens with the same bytes share one key)."""
     groups: dict[bytes, list[int]] = {}
-    for token_id, raw in enumerate(token_bytes(tokenizer, vocab_size, eos_token_ids)):
+    for token_id, raw in enumerate(table):
         if raw:  # an empty token would let the guide loop in place forever
             groups.setdefault(raw, []).append(token_id)  # ids ascend: the Vocabulary is deterministic
-    return Vocabulary(eos_token_ids[0], groups)
+    return Vocabulary(eos_token_id, groups)
 
 
 def token_bytes(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> list[bytes | None]:

@@ -3,10 +3,11 @@
 Prefill goes first (chunked when a prompt is longer than the chunk budget), else
 every running request decodes one token; when jump-forward appended forced text
 to some of them, that step is one extend batch instead, in which those requests
-compute the KV of all their new tokens and the others of their one. Requests are admitted only when their
-KV fits; when decode runs out of pages the least advanced requests are
-retracted to the front of the queue (their tokens kept) and prefilled again
-later. The scheduler does no I/O: `add_request`, `abort` and `step` are its API.
+compute the KV of all their new tokens and the others of their one. Requests
+are admitted only when their KV fits; when decode runs out of pages the least
+advanced requests are retracted to the front of the queue (their tokens kept)
+and prefilled again later. The scheduler does no I/O: `add_request`, `abort`
+and `step` are its API.
 """
 
 from __future__ import annotations
