@@ -4,7 +4,9 @@ machine's roofline against SmolLM2's decode step.
     python benchmarks/micro.py            # --quick: small sizes (CI)
 
 1. radix cache: match / insert / evict operations per second at 10k-100k tree nodes;
-2. scheduler overhead per step with a fake worker (no model) at 1-512 running requests;
+2. scheduler overhead per step with a fake worker (no model) at 1-512 running requests, and
+   the radix cache's share of it with no sharing (run_all's no-sharing requests in a closed
+   loop of 32, cache on against off);
 3. roofline: measured memory bandwidth and fp32 matmul rate; SmolLM2's decode step at batch
    1 / 8 / 32 against the floor max(weight bytes / bandwidth, FLOPs / matmul rate).
 """
@@ -71,7 +73,7 @@ class FakeWorker:
     def __init__(self, num_pages: int) -> None:
         self.device = torch.device("cpu")
         self.context_length = 4096
-        self.config = SimpleNamespace(eos_token_ids=[2], vocab_size=32000)
+        self.config = SimpleNamespace(eos_token_ids=[2], vocab_size=49152)
         self.num_pages, self.page_size = num_pages, 1
         self.req_to_token = ReqToTokenTable(1024, self.context_length, self.device)
 
@@ -94,6 +96,29 @@ def scheduler_rows(running: int, steps: int) -> list[str]:
         sched.step()
     per_step = (time.perf_counter() - start) / steps
     return [f"| {running} | {per_step * 1e3:.3f} | {per_step / running * 1e6:.1f} |"]
+
+
+def churn_row(requests: int) -> str:
+    """No sharing, 32 running, arrivals as others finish: the scheduler's time per step with
+    the radix cache and without (the model step is the same: the batches are identical)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from workloads import no_sharing
+
+    work = no_sharing(requests)
+    cells = []
+    for disable in (False, True):
+        args = ServerArgs(max_running_requests=32, disable_radix_cache=disable)
+        sched = Scheduler(args, FakeWorker(65536))
+        for i, (ids, n) in enumerate(work.requests):
+            sched.add_request(TokenizedRequest(f"r{i}", ids, SamplingParams(max_new_tokens=n, ignore_eos=True)))
+        steps, start = 0, time.perf_counter()
+        while sched.has_work:
+            sched.step()
+            steps += 1
+        cells.append(((time.perf_counter() - start) / steps, steps))
+    (on, steps_on), (off, steps_off) = cells
+    assert steps_on == steps_off, (steps_on, steps_off)
+    return f"| {requests} | {steps_on} | {on * 1e3:.3f} | {off * 1e3:.3f} | {(on - off) * 1e3:+.3f} |"
 
 
 # ---- 3. roofline ----------------------------------------------------------------------------------
@@ -146,6 +171,9 @@ def main() -> None:
     print("| running | ms/step | µs/request |\n|---|---|---|")
     for running in ([1, 32] if args.quick else [1, 8, 32, 128, 512]):
         print(*scheduler_rows(running, 5 if args.quick else 30), sep="\n")
+    print("\n## Radix cache overhead with no sharing (fake worker, 32 running, closed loop)\n")
+    print("| requests | steps | ms/step cache on | ms/step cache off | difference ms |\n|---|---|---|---|---|")
+    print(churn_row(32 if args.quick else 256))
     machine, rows = roofline_rows(args.quick)
     print("\n## This machine\n\n| measure | value |\n|---|---|", *machine, sep="\n")
     print("\n## SmolLM2-135M fp32 step time against the roofline floor\n")

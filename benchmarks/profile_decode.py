@@ -2,10 +2,11 @@
 
 The batch is one of the offline benchmark's workloads: random (64 requests of
 90-110 prompt tokens) or shared-prefix (64 requests of ~1,020 tokens, the first
-1,000 shared). All of it is prefilled first, a few decode steps run unprofiled to
+1,000 shared), or run_all's no-sharing requests (ShareGPT-like log-normal
+prompt lengths, 8 to 1,024 tokens). All of it is prefilled first, a few decode steps run unprofiled to
 warm up, then `--steps` decode steps are profiled and the top ops by self CPU time printed.
 
-    python benchmarks/profile_decode.py [--workload random|shared-prefix] [--steps 8] [--requests 64] [--threads N]
+    python benchmarks/profile_decode.py [--workload random|shared-prefix|no-sharing] [--steps 8] [--requests 64] [--threads N]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from offline_throughput import FULL, random_workload, shared_prefix_workload, to
 from runtime.local_engine import LocalEngine  # noqa: E402
 from runtime.messages import TokenizedRequest  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
+from workloads import no_sharing  # noqa: E402
 
 WARMUP_STEPS = 3
 
@@ -44,7 +46,7 @@ def start_decoding(engine: LocalEngine, prompts: list[list[int]], new_tokens: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workload", choices=("random", "shared-prefix"), default="random")
+    parser.add_argument("--workload", choices=("random", "shared-prefix", "no-sharing"), default="random")
     parser.add_argument("--steps", type=int, default=8, help="decode steps to profile")
     parser.add_argument("--requests", type=int, default=FULL.requests, help="requests decoding together")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -52,9 +54,11 @@ def main() -> None:
     torch.set_num_threads(cli.threads)
 
     engine = LocalEngine(None, max_total_tokens=32768)
-    make = random_workload if cli.workload == "random" else shared_prefix_workload
-    workload = make(token_pool(engine.tokenizer), FULL)
-    prompts = workload.prompts[: cli.requests]
+    if cli.workload == "no-sharing":
+        prompts = [ids for ids, _ in no_sharing(cli.requests).requests]
+    else:
+        make = random_workload if cli.workload == "random" else shared_prefix_workload
+        prompts = make(token_pool(engine.tokenizer), FULL).prompts[: cli.requests]
     # enough new tokens that no request finishes inside the profiled window
     start_decoding(engine, prompts, new_tokens=WARMUP_STEPS + cli.steps + 2)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -62,7 +66,9 @@ def main() -> None:
         for _ in range(cli.steps):
             engine.scheduler.step()
         wall = time.perf_counter() - start
-    print(f"{cli.workload}: {cli.steps} decode steps of {len(prompts)} requests, {cli.threads} threads: "
+    lens = sorted(map(len, prompts))
+    print(f"{cli.workload}: {cli.steps} decode steps of {len(prompts)} requests (prompts {lens[0]}-{lens[-1]}, "
+          f"median {lens[len(lens) // 2]}), {cli.threads} threads: "
           f"{1000 * wall / cli.steps:.1f} ms/step under the profiler")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
 

@@ -101,10 +101,11 @@ class RMSNorm(nn.Module):
         self.weight = _param((dim,), _copy_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        if x.dtype == torch.float32:  # one fused op, bit for bit the same as the lines below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * x32.to(x.dtype)
 
 
 def _copy_loader(param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
@@ -121,22 +122,21 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _scale_inv_freq(inv_freq, scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        # full-width tables (each frequency twice, as "rotate half" pairs dimension i with i + d/2)
+        self.register_buffer("cos2", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)
+        self.register_buffer("sin2", torch.cat((freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, k: [tokens, heads, head_dim]; returns them rotated."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at each position, [tokens, 1, head_dim]: looked up once per forward pass,
+        shared by every layer."""
+        return self.cos2[positions].unsqueeze(1), self.sin2[positions].unsqueeze(1)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    c = torch.cat((cos, cos), dim=-1)
-    s = torch.cat((sin, sin), dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (x.float() * c + rotated * s).to(x.dtype)
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, heads, head_dim] (any heads: q and k may be rotated together)."""
+        x32 = x.float()
+        x1, x2 = x32.chunk(2, dim=-1)
+        return (x32 * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:

@@ -70,6 +70,27 @@ def test_same_tokens(tiny_llama, config, mode):
         assert engine.scheduler.num_retractions > 0, "the small pool was meant to force retraction"
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_length_buckets(tiny_llama, monkeypatch, page_size):
+    """Decode batches split into length buckets (forced here: a bucket costs nothing) give the same tokens."""
+    from runtime.worker.attention import torch_backend
+
+    monkeypatch.setattr(torch_backend, "BUCKET_COST_KEYS", 0)
+    buckets = []
+    bucketed = torch_backend.TorchAttention._bucketed_decode
+
+    def counting(q, layer, scale, fb, groups):
+        buckets.append(len(groups))
+        return bucketed(q, layer, scale, fb, groups)
+
+    monkeypatch.setattr(torch_backend.TorchAttention, "_bucketed_decode", staticmethod(counting))
+    engine = tiny_llama.engine(page_size=page_size, disable_radix_cache=True)
+    for i, (out, ref) in enumerate(zip(_run(engine, tiny_llama.prompts, "all", "buckets"), tiny_llama.refs)):
+        assert_matches(out, ref, f"length buckets, page {page_size}, prompt {i}")
+    assert_drained(engine)
+    assert buckets and max(buckets) > 1, "the batch was meant to decode in several length buckets"
+
+
 def test_smollm2_page16_chunked_nocache_matches_hf(smol):
     engine = smol.engine_with(page_size=16, chunked_prefill_size=24, disable_radix_cache=True)
     results = engine.generate(input_ids=smol.prompts, sampling_params={"max_new_tokens": NEW_TOKENS, "temperature": 0})

@@ -41,15 +41,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fb: ForwardBatch) -> torch.Tensor:
         q_len, kv_len = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_len, kv_len, kv_len], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, q_len + kv_len:].view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:  # q and k side by side: one rotation for both
+            qk = qkv[:, : q_len + kv_len].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = self.rotary.rotate(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q = self.q_norm(qkv[:, :q_len].view(-1, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, q_len : q_len + kv_len].view(-1, self.num_kv_heads, self.head_dim))
+            q, k = self.rotary.rotate(q, *rope), self.rotary.rotate(k, *rope)
         out = fb.attn_backend.forward(q, k, v, self.layer_id, self.scale, fb)
         return self.o_proj(out.reshape(-1, q_len))
 
@@ -73,8 +75,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, fb)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fb: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, fb)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -93,6 +95,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = rotary
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -102,8 +105,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Final hidden states of every token in the batch, [tokens, hidden]."""
         x = self.embed_tokens(fb.input_ids)
+        rope = self.rotary.tables(fb.positions)
         for layer in self.layers:
-            x = layer(x, fb.positions, fb)
+            x = layer(x, rope, fb)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

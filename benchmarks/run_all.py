@@ -1,0 +1,625 @@
+"""Every workload on every system, in one run: tables and plots in benchmarks/results/.
+
+    python benchmarks/run_all.py            # the full run (about 40 minutes on 2 cores)
+    python benchmarks/run_all.py --quick    # tiny sizes, proves the scripts work (CI)
+    python benchmarks/run_all.py --only mmlu,chat --systems radixlm,hf-static
+
+Systems:
+- radixlm: each program workload as a `frontend_lang` program (`run_batch` on the
+  `Runtime` backend); the no-sharing workload as raw requests from a closed loop
+  of clients. Default policy (`lpm`), radix cache on; also `radixlm fcfs`,
+  `radixlm no-cache` (`disable_radix_cache`), and for JSON `radixlm
+  no-jump-forward`.
+- hf-static: Hugging Face `transformers` on the same fp32 weights, static
+  batches of 32 requests (left-padded; a batch decodes until its longest
+  request is done; `select` scores 8 prompts x their choices per pass), no
+  cache across requests.
+- llama.cpp: `llama-server` on the same GGUF file, 32 parallel slots
+  (continuous batching, its own per-slot prompt cache), when
+  benchmarks/baselines/bin/llama-server or $LLAMA_SERVER exists (see
+  benchmarks/baselines/install_llama_cpp.sh); skipped with a note otherwise.
+
+Systems without a DSL replay radixlm's trace: every request the programs
+made, with the text radixlm sent and exactly the number of tokens it generated
+(so the work is identical), in the same dependency order. A request depends on
+the earlier requests of its program that finished before it started; the
+replay groups a program's requests by text lineage (a later request's prompt
+extends an earlier one's). hf-static runs each dependency level of all
+programs as static batches; llama.cpp runs every program as its own client,
+the requests of one level concurrently. `select` becomes a scoring pass (HF:
+the same normalized logprob; llama.cpp, which has no prompt logprobs, a
+1-token completion of each prompt + choice: the same prefill work, no pick).
+Constraints (regex, JSON schema) are not replayed: the baselines generate the
+same number of unconstrained tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+import frontend_lang as fl  # noqa: E402
+from frontend_lang.backends.base import Call  # noqa: E402
+from offline_throughput import hf_generate, load_hf  # noqa: E402
+from runtime.worker.loader import default_model_path  # noqa: E402
+from workloads import Workload, all_workloads  # noqa: E402
+
+HF_BATCH = 32
+HF_SCORE_BATCH = 8  # prompts per scoring pass (x4 choices = 32 rows): bigger padded passes were slower per row
+RADIXLM_SYSTEMS = {
+    "radixlm": {},
+    "radixlm fcfs": {"schedule_policy": "fcfs"},
+    "radixlm no-cache": {"disable_radix_cache": True},
+    "radixlm no-jump-forward": {"disable_jump_forward": True},
+}
+OPTIONAL = {"radixlm no-jump-forward"}  # runs only the workloads that name it
+ALL_SYSTEMS = [*RADIXLM_SYSTEMS, "hf-static", "llama.cpp"]
+
+
+# ---- what a run records ---------------------------------------------------------------------------
+
+@dataclass
+class Request:
+    """One request of a trace: what was asked, how much it made, when it ran."""
+
+    text: str | None  # the prompt (program workloads) ...
+    ids: list[int] | None  # ... or its token ids (raw workloads)
+    new_tokens: int
+    choices: list[str] | None = None
+    pick: int | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    start: float = 0.0
+    end: float = 0.0
+    program: int = 0
+    level: int = 0
+
+
+@dataclass
+class Result:
+    workload: str
+    system: str
+    wall_s: float
+    programs: int
+    output_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    latencies_s: list[float] = field(default_factory=list)  # per program (or raw request), from the start
+    same_pick: float | None = None  # select workloads: share of picks equal to radixlm's
+    note: str = ""
+
+    @property
+    def throughput(self) -> float:
+        return self.programs / self.wall_s
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+
+class Recorder(fl.Backend):
+    """A backend that passes every call through and records it (not `cache_prefix`'s empty ones:
+    they are an optimization, not work a baseline would replay)."""
+
+    def __init__(self, inner: fl.Backend) -> None:
+        self.inner = inner
+        self.requests: list[Request] = []
+        self._lock = threading.Lock()
+
+    def generate(self, call: Call) -> dict[str, Any]:
+        start = time.perf_counter()
+        result = self.inner.generate(call)
+        end = time.perf_counter()
+        params = call.sampling_params
+        choices = params.get("choices")
+        if choices is None and params.get("max_new_tokens") == 0:
+            return result
+        meta = result["meta_info"]
+        request = Request(call.text, None, 0 if choices else meta["completion_tokens"], choices,
+                          meta.get("selected_index"), meta.get("prompt_tokens", 0), meta.get("cached_tokens", 0),
+                          start, end)
+        with self._lock:
+            self.requests.append(request)
+        return result
+
+    def stream(self, call: Call):
+        return self.inner.stream(call)
+
+    def model_info(self) -> dict[str, Any]:
+        return self.inner.model_info()
+
+
+def link(requests: list[Request]) -> int:
+    """Group a trace's requests into programs (by prompt lineage) and give each its dependency
+    level: one more than the deepest earlier request of its program that ended before it began.
+    Returns the number of programs."""
+    order = sorted(range(len(requests)), key=lambda i: requests[i].start)
+    parent = list(range(len(requests)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for a, i in enumerate(order):
+        for j in order[:a]:
+            if requests[i].text.startswith(requests[j].text):
+                parent[root(i)] = root(j)
+    roots = {r: n for n, r in enumerate(dict.fromkeys(root(i) for i in order))}
+    for a, i in enumerate(order):
+        r = requests[i]
+        r.program = roots[root(i)]
+        r.level = max((requests[j].level + 1 for j in order[:a]
+                       if requests[j].program == r.program and requests[j].end <= r.start), default=0)
+    return len(roots)
+
+
+def program_latencies(requests: list[Request], t0: float) -> list[float]:
+    ends: dict[int, float] = defaultdict(float)
+    for r in requests:
+        ends[r.program] = max(ends[r.program], r.end - t0)
+    return [ends[p] for p in sorted(ends)]
+
+
+# ---- radixlm ----------------------------------------------------------------------------------------
+
+def run_radixlm(backend: fl.Runtime, w: Workload, system: str) -> tuple[Result, list[Request]]:
+    backend.flush_cache()
+    recorder = Recorder(backend)
+    start = time.perf_counter()
+    if w.program is not None:
+        states = w.program.run_batch(w.args, backend=recorder)
+        failed = [st.error for st in states if st.error is not None]
+        if failed:
+            raise RuntimeError(f"{system} on {w.name}: {len(failed)} programs failed, first: {failed[0]}")
+    else:
+        closed_loop(w, lambda ids, n: _engine_request(backend, recorder, ids, n))
+    wall = time.perf_counter() - start
+    reqs = recorder.requests
+    if w.program is not None:
+        link(reqs)
+        latencies = program_latencies(reqs, start)
+    else:
+        latencies = [r.end - start for r in reqs]
+    accounting = backend.engine.check_accounting()
+    if not accounting.get("ok"):
+        raise RuntimeError(f"{system} on {w.name}: KV accounting failed: {accounting}")
+    return Result(w.name, system, wall, w.size, sum(r.new_tokens for r in reqs), sum(r.prompt_tokens for r in reqs),
+                  sum(r.cached_tokens for r in reqs), latencies), reqs
+
+
+def _engine_request(backend: fl.Runtime, recorder: Recorder, ids: list[int], n: int) -> None:
+    start = time.perf_counter()
+    meta = backend.engine.generate(input_ids=ids, sampling_params={"max_new_tokens": n, "temperature": 0,
+                                                                    "ignore_eos": True})["meta_info"]
+    request = Request(None, ids, meta["completion_tokens"], prompt_tokens=meta["prompt_tokens"],
+                      cached_tokens=meta["cached_tokens"], start=start, end=time.perf_counter())
+    with recorder._lock:
+        recorder.requests.append(request)
+
+
+def closed_loop(w: Workload, send: Callable[[list[int], int], None]) -> None:
+    """`w.concurrency` clients, each sending its next request when the last one is done."""
+    with ThreadPoolExecutor(w.concurrency) as pool:
+        for f in [pool.submit(send, ids, n) for ids, n in w.requests]:
+            f.result()
+
+
+# ---- hf-static ----------------------------------------------------------------------------------------
+
+class HFStatic:
+    name = "hf-static"
+
+    def __init__(self, path: str) -> None:
+        import transformers
+
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                                                    gguf_file=os.path.basename(path))
+        self.model = load_hf(path)
+        self.pad = self.tokenizer.eos_token_id
+        hf_generate(self.model, [[100] * 8, [200] * 12], 4, self.pad)  # warm up
+
+    def run(self, w: Workload, trace: list[Request]) -> Result:
+        start = time.perf_counter()
+        if w.program is None:
+            ends, picks = [], None
+            for i in range(0, len(w.requests), HF_BATCH):
+                batch = w.requests[i:i + HF_BATCH]
+                hf_generate(self.model, [ids for ids, _ in batch], max(n for _, n in batch), self.pad)
+                ends += [time.perf_counter()] * len(batch)
+        else:
+            ends, picks = self._replay(trace)
+        wall = time.perf_counter() - start
+        return _replay_result(w, self.name, wall, trace, ends, start, picks)
+
+    def _replay(self, trace: list[Request]) -> tuple[list[float], list[int | None]]:
+        """Each dependency level of all programs as static batches; returns end times and picks."""
+        ends = [0.0] * len(trace)
+        picks: list[int | None] = [None] * len(trace)
+        for level in range(max(r.level for r in trace) + 1):
+            gens = [i for i, r in enumerate(trace) if r.level == level and r.choices is None and r.new_tokens]
+            selects = [i for i, r in enumerate(trace) if r.level == level and r.choices is not None]
+            for b in range(0, len(gens), HF_BATCH):
+                batch = gens[b:b + HF_BATCH]
+                hf_generate(self.model, [self._ids(trace[i].text) for i in batch],
+                            max(trace[i].new_tokens for i in batch), self.pad)
+                for i in batch:
+                    ends[i] = time.perf_counter()
+            for b in range(0, len(selects), HF_SCORE_BATCH):
+                batch = selects[b:b + HF_SCORE_BATCH]
+                for i, pick in zip(batch, self._score([trace[i] for i in batch])):
+                    picks[i], ends[i] = pick, time.perf_counter()
+        return ends, picks
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _score(self, requests: list[Request]) -> list[int]:
+        """Every prompt + choice as one padded forward pass; the pick maximizes the choice tokens'
+        mean logprob (what `select` does by default)."""
+        rows, spans = [], []
+        for r in requests:
+            prompt = self._ids(r.text)
+            for choice in r.choices:
+                full = self._ids(r.text + choice)
+                keep = next((k for k, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
+                keep = min(keep, len(full) - 1)
+                rows.append(full)
+                spans.append(keep)
+        width = max(map(len, rows))
+        ids = torch.tensor([[self.pad] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(self.model(input_ids=ids, attention_mask=mask).logits.float(), -1)
+        scores = []
+        for n, (row, keep) in enumerate(zip(rows, spans)):
+            offset = width - len(row)
+            positions = torch.arange(offset + keep, offset + len(row))
+            targets = torch.tensor(row[keep:])
+            scores.append(logprobs[n, positions - 1, targets].mean().item())
+        picks, k = [], 0
+        for r in requests:
+            picks.append(int(np.argmax(scores[k:k + len(r.choices)])))
+            k += len(r.choices)
+        return picks
+
+
+def _replay_result(w: Workload, system: str, wall: float, trace: list[Request], ends: list[float], t0: float,
+                   picks: list[int | None] | None, tokens: tuple[int, int] | None = None, note: str = "") -> Result:
+    """`tokens`: (prompt, cached) as the system counted them; default radixlm's prompt count, none cached."""
+    if w.program is None:
+        latencies = [e - t0 for e in ends]
+    else:
+        last: dict[int, float] = defaultdict(float)
+        for r, e in zip(trace, ends):
+            last[r.program] = max(last[r.program], e - t0)
+        latencies = [last[p] for p in sorted(last)]
+    same = None
+    if picks is not None:
+        pairs = [(p, r.pick) for p, r in zip(picks, trace) if r.choices is not None and p is not None]
+        same = sum(a == b for a, b in pairs) / len(pairs) if pairs else None
+    prompt, cached = tokens or (sum(r.prompt_tokens for r in trace), 0)
+    return Result(w.name, system, wall, w.size, sum(r.new_tokens for r in trace), prompt, cached, latencies, same,
+                  note)
+
+
+# ---- llama.cpp ---------------------------------------------------------------------------------------
+
+def llama_server_binary() -> str | None:
+    path = os.environ.get("LLAMA_SERVER") or os.path.join(HERE, "baselines", "bin", "llama-server")
+    return path if os.path.exists(path) else shutil.which("llama-server")
+
+
+class LlamaCpp:
+    name = "llama.cpp"
+
+    def __init__(self, binary: str, gguf: str, slots: int = 32, slot_context: int = 2048, port: int = 31987) -> None:
+        import httpx
+
+        # --no-repack: the repacked (AMX) matmul path crashes on this VM's CPU; the plain Q4_1 path runs.
+        self.proc = subprocess.Popen(
+            [binary, "-m", gguf, "--port", str(port), "-np", str(slots), "-c", str(slots * slot_context),
+             "-t", str(os.cpu_count() or 1), "--no-repack", "--no-webui"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=None,
+                                   limits=httpx.Limits(max_connections=256))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if self.client.get("/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}")
+            time.sleep(0.5)
+        else:
+            raise RuntimeError("llama-server did not come up in 120 s")
+        self.complete("Hello", 4)  # warm up
+
+    def complete(self, prompt: str | list[int], n: int) -> tuple[int, int]:
+        """One completion of exactly n tokens; returns (prompt tokens, cached tokens)."""
+        r = self.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": n, "temperature": 0,
+                                                      "ignore_eos": True, "cache_prompt": True})
+        r.raise_for_status()
+        usage = r.json()["usage"]
+        if usage["completion_tokens"] != n:
+            raise RuntimeError(f"llama-server made {usage['completion_tokens']} tokens, asked for {n}")
+        return usage["prompt_tokens"], (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    def run(self, w: Workload, trace: list[Request]) -> Result:
+        ends = [0.0] * len(trace)
+        tokens = [(0, 0)] * len(trace)  # (prompt, cached) as llama-server counts them
+
+        def one(i: int) -> None:
+            r = trace[i]
+            if r.choices is None:
+                tokens[i] = self.complete(r.text, r.new_tokens)
+            else:
+                tokens[i] = tuple(map(sum, zip(*(self.complete(r.text + c, 1) for c in r.choices))))
+            ends[i] = time.perf_counter()
+
+        def raw(i: int) -> None:
+            ids, n = w.requests[i]
+            tokens[i] = self.complete(ids, n)
+            ends[i] = time.perf_counter()
+
+        start = time.perf_counter()
+        if w.program is None:
+            with ThreadPoolExecutor(w.concurrency) as pool:
+                list(pool.map(raw, range(w.size)))
+        else:
+            by_program: dict[int, list[int]] = defaultdict(list)
+            for i, r in enumerate(trace):
+                by_program[r.program].append(i)
+
+            def program(indices: list[int]) -> None:
+                for level in sorted({trace[i].level for i in indices}):
+                    same = [i for i in indices if trace[i].level == level]
+                    with ThreadPoolExecutor(len(same)) as pool:
+                        list(pool.map(one, same))
+
+            with ThreadPoolExecutor(min(64, len(by_program))) as pool:
+                list(pool.map(program, by_program.values()))
+        wall = time.perf_counter() - start
+        note = "select replayed as 1-token completions (no pick)" if any(r.choices for r in trace) else ""
+        prompt, cached = map(sum, zip(*tokens))
+        return _replay_result(w, self.name, wall, trace, ends, start, None, (prompt, cached), note)
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+# ---- report ------------------------------------------------------------------------------------------
+
+def ratio(a: Result | None, b: Result | None) -> str:
+    return f"{a.throughput / b.throughput:.2f}x" if a and b else "-"
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def report(results: list[Result], workloads: list[Workload], meta: dict[str, Any]) -> str:
+    by = {(r.workload, r.system): r for r in results}
+    systems = [s for s in ALL_SYSTEMS if any(r.system == s for r in results)]
+    lines = [f"# radixlm benchmarks{' (quick)' if meta['quick'] else ''}", "",
+             f"`{meta['command']}` — {meta['date']}, {meta['machine']}, SmolLM2-135M-Instruct "
+             f"(radixlm and HF: fp32 from the Q4_1 GGUF; llama.cpp: Q4_1 itself), load average "
+             f"{meta['load_before']:.1f} before, {meta['load_after']:.1f} after.", "",
+             "Throughput is programs (or raw requests) per second; a ratio is radixlm's throughput over the "
+             "other system's, on the same work in the same run.", "",
+             "| workload | what | radixlm /s | vs hf-static | vs no-cache | vs fcfs | vs llama.cpp | radixlm cache hit |",
+             "|---|---|---|---|---|---|---|---|"]
+    for w in workloads:
+        ours = by.get((w.name, "radixlm"))
+        if ours is None:
+            continue
+        lines.append(f"| {w.name} | {w.description} | {ours.throughput:.2f} | "
+                     f"{ratio(ours, by.get((w.name, 'hf-static')))} | {ratio(ours, by.get((w.name, 'radixlm no-cache')))} | "
+                     f"{ratio(ours, by.get((w.name, 'radixlm fcfs')))} | {ratio(ours, by.get((w.name, 'llama.cpp')))} | "
+                     f"{pct(ours.hit_rate)} |")
+    lines += ["", "| workload | system | wall s | /s | output tok/s | latency p50 s | p90 s | cache hit | same pick | note |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for w in workloads:
+        for s in systems:
+            r = by.get((w.name, s))
+            if r is None:
+                continue
+            p50, p90 = np.percentile(r.latencies_s, [50, 90]) if r.latencies_s else (0.0, 0.0)
+            lines.append(f"| {w.name} | {s} | {r.wall_s:.1f} | {r.throughput:.2f} | {r.output_tokens / r.wall_s:.1f} | "
+                         f"{p50:.1f} | {p90:.1f} | {pct(r.hit_rate)} | {pct(r.same_pick)} | {r.note} |")
+    lines += ["", *targets(by), "", *meta["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def targets(by: dict[tuple[str, str], Result]) -> list[str]:
+    """Issue 7's targets, met or not, from this run's numbers."""
+    out = ["Targets:"]
+
+    def check(label: str, value: float | None, goal: float, fmt: str, higher: bool = True) -> None:
+        if value is None:
+            out.append(f"- {label}: not measured in this run")
+            return
+        met = value >= goal if higher else value <= goal
+        out.append(f"- {label}: {fmt.format(value)} (target {'≥' if higher else '≤'} {fmt.format(goal)}): "
+                   f"{'met' if met else 'missed'}")
+
+    def speedup(w: str, other: str) -> float | None:
+        a, b = by.get((w, "radixlm")), by.get((w, other))
+        return a.throughput / b.throughput if a and b else None
+
+    check("few-shot (mmlu) vs hf-static", speedup("mmlu", "hf-static"), 8.0, "{:.2f}x")
+    check("no sharing, 32 clients, vs hf-static", speedup("no-sharing", "hf-static"), 2.0, "{:.2f}x")
+    check("no sharing, 32 clients, vs llama.cpp", speedup("no-sharing", "llama.cpp"), 1.0, "{:.2f}x")
+    nocache = speedup("no-sharing", "radixlm no-cache")
+    check("radix cache overhead with no sharing (wall, cache on / off - 1)",
+          None if nocache is None else 1 / nocache - 1, 0.01, "{:+.1%}", higher=False)
+    return out
+
+
+def plots(results: list[Result], workloads: list[Workload], out_dir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {(r.workload, r.system): r for r in results}
+    names = [w.name for w in workloads if (w.name, "hf-static") in by]
+    systems = [s for s in ALL_SYSTEMS if any(r.system == s for r in results)]
+    files = []
+
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / len(systems)
+    for k, s in enumerate(systems):
+        xs = [i + k * width for i, n in enumerate(names) if (n, s) in by]
+        ys = [by[(n, s)].throughput / by[(n, "hf-static")].throughput for n in names if (n, s) in by]
+        ax.bar(xs, ys, width, label=s)
+    ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(names))], names)
+    ax.set_yscale("log")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_ylabel("throughput / hf-static (log)")
+    ax.set_title("Programs per second relative to HF static batching, same run")
+    ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    files.append(os.path.join(out_dir, "throughput.png"))
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+
+    shown = [w.name for w in workloads if any(r.workload == w.name for r in results)]
+    cols = 4
+    fig, axes = plt.subplots((len(shown) + cols - 1) // cols, cols, figsize=(14, 3.2 * ((len(shown) + cols - 1) // cols)),
+                             squeeze=False)
+    for ax, n in zip(axes.flat, shown):
+        for s in systems:
+            r = by.get((n, s))
+            if r and r.latencies_s:
+                xs = np.sort(r.latencies_s)
+                ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=s)
+        ax.set_title(n)
+        ax.set_xlabel("latency s")
+        ax.set_ylim(0, 1.02)
+    for ax in axes.flat[len(shown):]:
+        ax.axis("off")
+    axes.flat[0].set_ylabel("share of programs done")
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    files.append(os.path.join(out_dir, "latency_cdf.png"))
+    fig.savefig(files[-1], dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    hit_systems = [s for s in systems if s != "hf-static"]
+    width = 0.8 / max(1, len(hit_systems))
+    for k, s in enumerate(hit_systems):
+        pairs = [(i, by[(n, s)].hit_rate) for i, n in enumerate(shown) if (n, s) in by and by[(n, s)].hit_rate is not None]
+        ax.bar([i + k * width for i, _ in pairs], [h for _, h in pairs], width, label=s)
+    ax.set_xticks([i + width * (len(hit_systems) - 1) / 2 for i in range(len(shown))], shown)
+    ax.set_ylabel("prompt tokens from cache")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    files.append(os.path.join(out_dir, "cache_hit.png"))
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+    return files
+
+
+# ---- main -----------------------------------------------------------------------------------------
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (CI); writes to benchmarks/results/quick/")
+    ap.add_argument("--only", default="", help="comma-separated workloads (default: all)")
+    ap.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma-separated systems (default: all)")
+    ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results[/quick])")
+    args = ap.parse_args()
+    torch.set_num_threads(os.cpu_count() or 1)
+    workloads = [w for w in all_workloads(args.quick) if not args.only or w.name in args.only.split(",")]
+    systems = args.systems.split(",")
+    unknown = set(systems) - set(ALL_SYSTEMS)
+    if unknown or "radixlm" not in systems:
+        ap.error(f"systems are {ALL_SYSTEMS} and must include radixlm (the baselines replay its trace); got {systems}")
+    out_dir = args.out or os.path.join(HERE, "results", *(["quick"] if args.quick else []))
+    os.makedirs(out_dir, exist_ok=True)
+    load_before = os.getloadavg()[0]
+    notes: list[str] = []
+    results: list[Result] = []
+    traces: dict[str, list[Request]] = {}
+
+    def add(r: Result) -> None:
+        results.append(r)
+        print(f"{r.workload:<16} {r.system:<24} {r.wall_s:7.1f} s  {r.throughput:7.2f}/s  "
+              f"{r.output_tokens / r.wall_s:7.1f} out tok/s  hit {pct(r.hit_rate)}", flush=True)
+
+    for system, options in RADIXLM_SYSTEMS.items():
+        wanted = [w for w in workloads if system not in OPTIONAL or system in w.only]
+        if system not in systems or not wanted:
+            continue
+        backend = fl.Runtime(**options)
+        try:
+            backend.engine.generate("Warm up", {"max_new_tokens": 4})
+            for w in wanted:
+                result, trace = run_radixlm(backend, w, system)
+                add(result)
+                if system == "radixlm":
+                    traces[w.name] = trace
+        finally:
+            backend.shutdown()
+
+    path = default_model_path()
+    if "hf-static" in systems:
+        hf = HFStatic(path)
+        for w in workloads:
+            add(hf.run(w, traces[w.name]))
+        del hf
+    if "llama.cpp" in systems:
+        binary = llama_server_binary()
+        if binary is None:
+            notes.append("llama.cpp: no llama-server binary (bash benchmarks/baselines/install_llama_cpp.sh builds "
+                          "one); its rows are skipped.")
+            print(notes[-1])
+        else:
+            server = LlamaCpp(binary, path)
+            try:
+                for w in workloads:
+                    add(server.run(w, traces[w.name]))
+            finally:
+                server.close()
+
+    meta = {"command": "python benchmarks/run_all.py" + (" --quick" if args.quick else ""),
+            "date": time.strftime("%Y-%m-%d %H:%M"), "quick": args.quick, "notes": notes,
+            "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__} with {torch.get_num_threads()} threads",
+            "load_before": load_before, "load_after": os.getloadavg()[0]}
+    text = report(results, workloads, meta)
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump({"meta": meta, "results": [asdict(r) | {"throughput": r.throughput} for r in results]}, f, indent=1)
+    files = plots(results, workloads, out_dir)
+    print("\n" + text)
+    print("wrote", ", ".join([os.path.join(out_dir, "summary.md"), os.path.join(out_dir, "summary.json"), *files]))
+
+
+if __name__ == "__main__":
+    main()
