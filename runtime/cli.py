@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -23,6 +24,13 @@ def main(argv: list[str] | None = None) -> int:
     srv = sub.add_parser("serve", help="serve the model over HTTP (SGLang-native and OpenAI APIs)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=30000)
+    srv.add_argument("--api-key", default=os.environ.get("RADIXLM_API_KEY"),
+                     help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                          "(default: $RADIXLM_API_KEY; the variable keeps the key out of the process list)")
+    srv.add_argument("--max-request-bytes", type=int, default=None, help="largest request body accepted (default 32 MiB)")
+    srv.add_argument("--max-queued-requests", type=int, default=None,
+                     help="requests that may wait beyond --max-running-requests; more get 503 + Retry-After "
+                          "(default: no limit)")
     ServerArgs.add_cli_args(srv)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     from runtime import bench_serve
@@ -34,9 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "generate":
         return _generate(ns)
     if ns.command == "serve":
+        if (ns.max_queued_requests or 0) < 0 or (ns.max_request_bytes is not None and ns.max_request_bytes < 1):
+            parser.error("--max-queued-requests must be >= 0 and --max-request-bytes >= 1")
         from runtime.server.launch_server import serve
 
-        return serve(ServerArgs.from_cli_args(ns), ns.host, ns.port)
+        return serve(ServerArgs.from_cli_args(ns), ns.host, ns.port, ns.api_key, ns.max_request_bytes,
+                     ns.max_queued_requests)
     return 2
 
 

@@ -35,6 +35,8 @@ class RuntimeClient:
         self._waiters: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
         self.on_finish: Callable[[ClientOutput], None] | None = None  # e.g. metrics
+        self.max_in_flight: int | None = None  # refuse requests past this many (running + queued)
+        self.in_flight = 0
 
     def _ensure_reader(self) -> None:
         if self._reader is None or self._reader.done():
@@ -49,10 +51,15 @@ class RuntimeClient:
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[ClientOutput]:
         """Outputs of one request as they come; the last has finished=True. Raises
-        RequestFailed if the runtime refuses it. Leaving early aborts the request."""
+        RequestFailed if the runtime refuses it (503 when `max_in_flight` requests are already
+        in flight). Leaving early aborts the request."""
+        if self.max_in_flight is not None and self.in_flight >= self.max_in_flight:
+            raise RequestFailed(f"the server is at its limit of {self.max_in_flight} requests in flight "
+                                "(running and queued); retry later", 503)
         self._ensure_reader()
         queue: asyncio.Queue = asyncio.Queue()
         self._waiters[req.rid] = queue
+        self.in_flight += 1
         finished = False
         try:
             await self.sock.send(ipc.encode(req))
@@ -66,6 +73,7 @@ class RuntimeClient:
                 finished = out.finished
                 yield out
         finally:
+            self.in_flight -= 1
             self._waiters.pop(req.rid, None)
             if not finished:  # the caller went away (e.g. the HTTP client disconnected)
                 await self.abort(req.rid)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable
@@ -37,9 +38,17 @@ class ServerState:
         self.dead: str | None = None  # set by the watchdog when a runtime process dies
 
 
-def create_app(state: ServerState) -> FastAPI:
+# Largest request body accepted (bytes): a full context of text is far below this.
+MAX_REQUEST_BYTES = 32 << 20
+
+
+def create_app(state: ServerState, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+    """The app. With `api_key`, every endpoint but /health wants `Authorization: Bearer <api_key>`;
+    bodies over `max_request_bytes` (or without a length) are refused before they are read."""
     app = FastAPI(title="radixlm", version="0.1.0")
     app.state.runtime = state
+
+    app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes)
 
     @app.exception_handler(HTTPError)
     async def _http_error(_: Request, e: HTTPError) -> JSONResponse:
@@ -51,7 +60,10 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestFailed)
     async def _refused(_: Request, e: RequestFailed) -> JSONResponse:
-        return error_response(str(e), e.status)
+        response = error_response(str(e), e.status)
+        if e.status == 503:  # full: tell clients (the OpenAI SDK among them) when to retry
+            response.headers["Retry-After"] = "1"
+        return response
 
     @app.get("/health")
     async def health() -> Response:
@@ -115,6 +127,37 @@ def create_app(state: ServerState) -> FastAPI:
 
     add_openai_routes(app, state)
     return app
+
+
+class Guard:
+    """ASGI middleware in front of every endpoint: the API key, then the body size. Plain ASGI
+    (not a Starlette BaseHTTPMiddleware), so streams and disconnects pass through untouched."""
+
+    def __init__(self, app: Any, api_key: str | None, max_request_bytes: int) -> None:
+        self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        refusal = self._refusal(scope) if scope["type"] == "http" else None
+        if refusal is not None:
+            await error_response(*refusal)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope: dict) -> tuple[str, int] | None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.api_key and scope["path"] != "/health":
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+                return "missing or wrong API key: send the header 'Authorization: Bearer <key>'", 401
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            length = headers.get("content-length")
+            if length is None:
+                return "a request body needs a Content-Length header", 411
+            if not length.isdigit():
+                return f"bad Content-Length {length!r}", 400
+            if int(length) > self.max_request_bytes:
+                return f"request body of {length} bytes is over the limit of {self.max_request_bytes} bytes", 413
+        return None
 
 
 def error_response(message: str, status: int = 400) -> JSONResponse:

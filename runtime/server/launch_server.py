@@ -15,20 +15,24 @@ from runtime.args import ServerArgs
 from runtime.client import RuntimeClient
 from runtime.launch import launch_processes
 from runtime.worker.loader import resolve_model
-from runtime.server.http_server import ServerState, create_app
+from runtime.server.http_server import MAX_REQUEST_BYTES, ServerState, create_app
 
 log = logging.getLogger("radixlm.server")
 
 
-def serve(args: ServerArgs, host: str = "127.0.0.1", port: int = 30000) -> int:
+def serve(args: ServerArgs, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
+          max_request_bytes: int | None = None, max_queued_requests: int | None = None) -> int:
     """Run until SIGINT/SIGTERM (exit 0) or until a runtime process dies (exit 1)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     group = launch_processes(args)
     try:
         model_name = args.served_model_name or resolve_model(args.model_path).name
         info = {**group.info, "client_address": group.client_address}  # for local clients that attach (ZeroMQ)
-        state = ServerState(RuntimeClient(group.client_address), info, dataclasses.asdict(args), model_name)
-        app = create_app(state)
+        client = RuntimeClient(group.client_address)
+        if max_queued_requests is not None:
+            client.max_in_flight = args.max_running_requests + max_queued_requests
+        state = ServerState(client, info, dataclasses.asdict(args), model_name)
+        app = create_app(state, api_key, max_request_bytes or MAX_REQUEST_BYTES)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3)
         server = uvicorn.Server(config)
 

@@ -1,0 +1,105 @@
+"""Access control and request limits in front of every endpoint (the app alone: no runtime needed
+for a refusal, so a stand-in client answers what gets through)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from runtime.server.http_server import ServerState, create_app
+
+
+class StandInClient:
+    on_finish = None
+
+    async def control(self, op: str) -> dict:
+        return {"op": op}
+
+
+def app(**options) -> TestClient:
+    state = ServerState(StandInClient(), {"context_length": 2048}, {"page_size": 1}, "smol")
+    return TestClient(create_app(state, **options))
+
+
+def test_without_a_key_everything_is_open():
+    client = app()
+    assert client.get("/v1/models").status_code == 200
+    assert client.get("/get_model_info").json() == {"op": "model_info"}
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong", "Basic secret", "secret", "Bearer "])
+def test_a_missing_or_wrong_key_gets_401(header):
+    client = app(api_key="secret")
+    headers = {"Authorization": header} if header is not None else {}
+    for method, path in (("GET", "/v1/models"), ("GET", "/get_model_info"), ("POST", "/generate"),
+                         ("POST", "/v1/chat/completions"), ("GET", "/metrics"), ("GET", "/nowhere")):
+        r = client.request(method, path, headers=headers, json={"text": "hi"} if method == "POST" else None)
+        assert r.status_code == 401, (method, path, r.status_code)
+        assert "API key" in r.json()["error"]["message"]
+
+
+def test_the_right_key_passes_and_health_needs_none():
+    client = app(api_key="secret")
+    assert client.get("/health").status_code == 200
+    r = client.get("/v1/models", headers={"Authorization": "Bearer secret"})
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "smol"
+    assert client.get("/get_model_info", headers={"authorization": "bearer secret"}).status_code == 200
+
+
+def test_body_size_limit():
+    client = app(max_request_bytes=1000)
+    r = client.post("/generate", content=b'{"text": "' + b"x" * 2000 + b'"}',
+                    headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and "over the limit of 1000 bytes" in r.json()["error"]["message"]
+    # under the limit it reaches the endpoint, which refuses the body for what it is (no runtime is asked)
+    r = client.post("/generate", content=b"not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+
+
+def test_a_body_without_a_length_gets_411():
+    client = app()
+
+    def chunks():
+        yield b'{"text": "hi"}'
+
+    r = client.post("/generate", content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 411
+
+
+def test_served_with_an_api_key_the_openai_client_needs_it():
+    import openai
+
+    from server.conftest import LiveServer
+
+    srv = LiveServer("--api-key", "k3y-for-tests", "--max-request-bytes", "100000",
+                     "--max-running-requests", "2", "--max-queued-requests", "1")
+    try:
+        good = openai.OpenAI(base_url=srv.url + "/v1", api_key="k3y-for-tests")
+        out = good.completions.create(model="default", prompt="Hello", max_tokens=2, temperature=0)
+        assert out.usage.completion_tokens == 2
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong").models.list()
+        auth = {"Authorization": "Bearer k3y-for-tests"}
+        info = httpx.get(srv.url + "/get_server_info", headers=auth).json()
+        assert info["page_size"] >= 1 and "k3y-for-tests" not in str(info)  # the key is never echoed back
+        too_big = httpx.post(srv.url + "/generate", content=b"x" * 200_000, headers=auth)
+        assert too_big.status_code == 413
+
+        # 2 running + 1 queued: of 6 requests sent at once, 3 are served and 3 told to retry
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=srv.url, headers=auth, timeout=120) as c:
+                body = {"text": "Count to a hundred:", "sampling_params": {"max_new_tokens": 48, "ignore_eos": True}}
+                return await asyncio.gather(*(c.post("/generate", json=body) for _ in range(6)))
+
+        codes = sorted(r.status_code for r in asyncio.run(burst()))
+        assert codes == [200] * 3 + [503] * 3, codes
+        refused = next(r for r in asyncio.run(burst()) if r.status_code == 503)
+        assert refused.headers["retry-after"] == "1" and "retry later" in refused.json()["error"]["message"]
+        after = httpx.post(srv.url + "/generate", headers=auth, timeout=120,
+                           json={"text": "Hi", "sampling_params": {"max_new_tokens": 4}})
+        assert after.status_code == 200  # the refused ones left nothing behind
+    finally:
+        assert srv.stop() == 0, srv.output()
