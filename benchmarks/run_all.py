@@ -3,6 +3,7 @@
     python benchmarks/run_all.py            # the full run (about 40 minutes on 2 cores)
     python benchmarks/run_all.py --quick    # tiny sizes, proves the scripts work (CI)
     python benchmarks/run_all.py --only mmlu,chat --systems radixlm,hf-static
+    python benchmarks/run_all.py --replot     # redraw the PNGs from results/summary.json
 
 Systems:
 - radixlm: each program workload as a `frontend_lang` program (`run_batch` on the
@@ -479,6 +480,7 @@ def targets(by: dict[tuple[str, str], Result]) -> list[str]:
 
 
 def plots(results: list[Result], workloads: list[Workload], out_dir: str) -> list[str]:
+    """Three PNGs; each system keeps its colour in all of them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -487,6 +489,7 @@ def plots(results: list[Result], workloads: list[Workload], out_dir: str) -> lis
     by = {(r.workload, r.system): r for r in results}
     names = [w.name for w in workloads if (w.name, "hf-static") in by]
     systems = [s for s in ALL_SYSTEMS if any(r.system == s for r in results)]
+    color = {s: f"C{i}" for i, s in enumerate(ALL_SYSTEMS)}
     files = []
 
     fig, ax = plt.subplots(figsize=(11, 4.5))
@@ -494,7 +497,7 @@ def plots(results: list[Result], workloads: list[Workload], out_dir: str) -> lis
     for k, s in enumerate(systems):
         xs = [i + k * width for i, n in enumerate(names) if (n, s) in by]
         ys = [by[(n, s)].throughput / by[(n, "hf-static")].throughput for n in names if (n, s) in by]
-        ax.bar(xs, ys, width, label=s)
+        ax.bar(xs, ys, width, label=s, color=color[s])
     ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(names))], names)
     ax.set_yscale("log")
     ax.axhline(1.0, color="gray", lw=0.8)
@@ -515,34 +518,44 @@ def plots(results: list[Result], workloads: list[Workload], out_dir: str) -> lis
             r = by.get((n, s))
             if r and r.latencies_s:
                 xs = np.sort(r.latencies_s)
-                ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=s)
+                ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=s, color=color[s])
         ax.set_title(n)
         ax.set_xlabel("latency s")
         ax.set_ylim(0, 1.02)
     for ax in axes.flat[len(shown):]:
         ax.axis("off")
     axes.flat[0].set_ylabel("share of programs done")
-    axes.flat[0].legend(fontsize=7)
+    handles = [plt.Line2D([], [], color=color[s], label=s) for s in systems]
+    fig.legend(handles=handles, loc="lower right", fontsize=9, bbox_to_anchor=(0.98, 0.08))
     fig.tight_layout()
     files.append(os.path.join(out_dir, "latency_cdf.png"))
     fig.savefig(files[-1], dpi=100)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(9, 3.5))
+    fig, ax = plt.subplots(figsize=(11, 3.5))
     hit_systems = [s for s in systems if s != "hf-static"]
     width = 0.8 / max(1, len(hit_systems))
     for k, s in enumerate(hit_systems):
         pairs = [(i, by[(n, s)].hit_rate) for i, n in enumerate(shown) if (n, s) in by and by[(n, s)].hit_rate is not None]
-        ax.bar([i + k * width for i, _ in pairs], [h for _, h in pairs], width, label=s)
+        ax.bar([i + k * width for i, _ in pairs], [h for _, h in pairs], width, label=s, color=color[s])
     ax.set_xticks([i + width * (len(hit_systems) - 1) / 2 for i in range(len(shown))], shown)
     ax.set_ylabel("prompt tokens from cache")
     ax.set_ylim(0, 1)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     files.append(os.path.join(out_dir, "cache_hit.png"))
     fig.savefig(files[-1], dpi=110)
     plt.close(fig)
     return files
+
+
+def replot(out_dir: str) -> None:
+    with open(os.path.join(out_dir, "summary.json")) as f:
+        saved = json.load(f)["results"]
+    fields = {f for f in Result.__dataclass_fields__}
+    results = [Result(**{k: v for k, v in r.items() if k in fields}) for r in saved]
+    names = list(dict.fromkeys(r.workload for r in results))
+    print("wrote", ", ".join(plots(results, [Workload(n, "") for n in names], out_dir)))
 
 
 # ---- main -----------------------------------------------------------------------------------------
@@ -553,7 +566,11 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated workloads (default: all)")
     ap.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma-separated systems (default: all)")
     ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results[/quick])")
+    ap.add_argument("--replot", action="store_true", help="redraw the plots from the folder's summary.json, run nothing")
     args = ap.parse_args()
+    if args.replot:
+        replot(args.out or os.path.join(HERE, "results", *(["quick"] if args.quick else [])))
+        return
     torch.set_num_threads(os.cpu_count() or 1)
     workloads = [w for w in all_workloads(args.quick) if not args.only or w.name in args.only.split(",")]
     systems = args.systems.split(",")

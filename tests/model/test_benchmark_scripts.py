@@ -50,3 +50,8 @@ def test_run_all_quick(tmp_path):
     assert "| mmlu | radixlm |" in summary and "Targets:" in summary
     for png in ("throughput.png", "latency_cdf.png", "cache_hit.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG", png
+        (tmp_path / png).unlink()
+    redraw = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "run_all.py"), "--replot",
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert redraw.returncode == 0, redraw.stderr[-2000:]
+    assert all((tmp_path / png).exists() for png in ("throughput.png", "latency_cdf.png", "cache_hit.png"))
