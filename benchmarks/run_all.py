@@ -136,9 +136,12 @@ class Recorder(fl.Backend):
         request = Request(call.text, None, 0 if choices else meta["completion_tokens"], choices,
                           meta.get("selected_index"), meta.get("prompt_tokens", 0), meta.get("cached_tokens", 0),
                           start, end)
+        self.add(request)
+        return result
+
+    def add(self, request: Request) -> None:
         with self._lock:
             self.requests.append(request)
-        return result
 
     def stream(self, call: Call):
         return self.inner.stream(call)
@@ -173,11 +176,12 @@ def link(requests: list[Request]) -> int:
     return len(roots)
 
 
-def program_latencies(requests: list[Request], t0: float) -> list[float]:
-    ends: dict[int, float] = defaultdict(float)
-    for r in requests:
-        ends[r.program] = max(ends[r.program], r.end - t0)
-    return [ends[p] for p in sorted(ends)]
+def program_latencies(requests: list[Request], ends: list[float], t0: float) -> list[float]:
+    """Each program's latency: from t0 to the end of its last request."""
+    last: dict[int, float] = defaultdict(float)
+    for r, e in zip(requests, ends):
+        last[r.program] = max(last[r.program], e - t0)
+    return [last[p] for p in sorted(last)]
 
 
 # ---- radixlm ----------------------------------------------------------------------------------------
@@ -192,12 +196,12 @@ def run_radixlm(backend: fl.Runtime, w: Workload, system: str) -> tuple[Result, 
         if failed:
             raise RuntimeError(f"{system} on {w.name}: {len(failed)} programs failed, first: {failed[0]}")
     else:
-        closed_loop(w, lambda ids, n: _engine_request(backend, recorder, ids, n))
+        closed_loop(w, lambda i: _engine_request(backend, recorder, *w.requests[i]))
     wall = time.perf_counter() - start
     reqs = recorder.requests
     if w.program is not None:
         link(reqs)
-        latencies = program_latencies(reqs, start)
+        latencies = program_latencies(reqs, [r.end for r in reqs], start)
     else:
         latencies = [r.end - start for r in reqs]
     accounting = backend.engine.check_accounting()
@@ -213,14 +217,13 @@ def _engine_request(backend: fl.Runtime, recorder: Recorder, ids: list[int], n: 
                                                                     "ignore_eos": True})["meta_info"]
     request = Request(None, ids, meta["completion_tokens"], prompt_tokens=meta["prompt_tokens"],
                       cached_tokens=meta["cached_tokens"], start=start, end=time.perf_counter())
-    with recorder._lock:
-        recorder.requests.append(request)
+    recorder.add(request)
 
 
-def closed_loop(w: Workload, send: Callable[[list[int], int], None]) -> None:
-    """`w.concurrency` clients, each sending its next request when the last one is done."""
+def closed_loop(w: Workload, send: Callable[[int], None]) -> None:
+    """`w.concurrency` clients, each sending its next request (by index) when the last one is done."""
     with ThreadPoolExecutor(w.concurrency) as pool:
-        for f in [pool.submit(send, ids, n) for ids, n in w.requests]:
+        for f in [pool.submit(send, i) for i in range(w.size)]:
             f.result()
 
 
@@ -306,13 +309,7 @@ class HFStatic:
 def _replay_result(w: Workload, system: str, wall: float, trace: list[Request], ends: list[float], t0: float,
                    picks: list[int | None] | None, tokens: tuple[int, int] | None = None, note: str = "") -> Result:
     """`tokens`: (prompt, cached) as the system counted them; default radixlm's prompt count, none cached."""
-    if w.program is None:
-        latencies = [e - t0 for e in ends]
-    else:
-        last: dict[int, float] = defaultdict(float)
-        for r, e in zip(trace, ends):
-            last[r.program] = max(last[r.program], e - t0)
-        latencies = [last[p] for p in sorted(last)]
+    latencies = [e - t0 for e in ends] if w.program is None else program_latencies(trace, ends, t0)
     same = None
     if picks is not None:
         pairs = [(p, r.pick) for p, r in zip(picks, trace) if r.choices is not None and p is not None]
@@ -385,8 +382,7 @@ class LlamaCpp:
 
         start = time.perf_counter()
         if w.program is None:
-            with ThreadPoolExecutor(w.concurrency) as pool:
-                list(pool.map(raw, range(w.size)))
+            closed_loop(w, raw)
         else:
             by_program: dict[int, list[int]] = defaultdict(list)
             for i, r in enumerate(trace):

@@ -66,9 +66,11 @@ class TorchAttention(AttentionBackend):
         if shared < CASCADE_MIN_PREFIX:
             shared = 0
         if not shared and fb.batch_size > 1:
-            groups = _length_buckets(fb.seq_lens.tolist())
+            seq_lens = fb.seq_lens.tolist()
+            groups = _length_buckets(seq_lens)
             if len(groups) > 1:
-                return TorchAttnMeta(None, None, None, buckets=[_bucket(fb, g) for g in groups])
+                return TorchAttnMeta(None, None, None, buckets=[_bucket(fb, g, max(seq_lens[i] for i in g))
+                                                                 for g in groups])
         key_pos = torch.arange(shared, fb.max_seq_len, device=rows.device)
         kv_slots = table[rows, shared : fb.max_seq_len]
         mask = (key_pos[None, :] < fb.seq_lens[:, None])[:, None, None, :]
@@ -192,10 +194,9 @@ def _length_buckets(seq_lens: list[int]) -> list[list[int]]:
     return groups[::-1]
 
 
-def _bucket(fb: ForwardBatch, positions: list[int]) -> DecodeBucket:
+def _bucket(fb: ForwardBatch, positions: list[int], longest: int) -> DecodeBucket:
     rows = torch.tensor(positions, device=fb.seq_lens.device)
     seq_lens = fb.seq_lens[rows]
-    longest = int(seq_lens.max())
     kv_slots = fb.req_to_token.table[fb.req_rows[rows], :longest]
     mask = (torch.arange(longest, device=rows.device)[None, :] < seq_lens[:, None])[:, None, None, :]
     return DecodeBucket(rows, kv_slots, mask)
