@@ -31,6 +31,8 @@ class ServerArgs:
     disable_radix_cache: bool = field(default=False, metadata={"help": "no prefix sharing"})
     disable_jump_forward: bool = field(default=False, metadata={
         "help": "decode text a constraint forces token by token instead of appending it in one step"})
+    constraint_timeout: float = field(default=30.0, metadata={
+        "help": "seconds a regex or JSON schema may take to compile before its request fails (400)"})
     attention_backend: str = field(default="auto", metadata={"help": "torch or triton (auto: torch on CPU, triton on CUDA)"})
     random_seed: int = field(default=0, metadata={"help": "seed of the global sampling generator"})
     init_new_token_ratio: float = field(default=0.7, metadata={"help": "share of max_new_tokens reserved per running request at admission"})

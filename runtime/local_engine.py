@@ -34,7 +34,7 @@ class LocalEngine(GenerateAPI):
         grammar = None
         if tokenizer is not None:
             cfg = self.worker.config
-            grammar = compiler_factory(tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+            grammar = compiler_factory(tokenizer, cfg.vocab_size, cfg.eos_token_ids, self.args.constraint_timeout)
         self.scheduler = Scheduler(self.args, self.worker, decode=self._decode_plain if tokenizer else None,
                                    grammar=grammar)
 
@@ -109,4 +109,5 @@ class LocalEngine(GenerateAPI):
         return self.scheduler.flush_cache()
 
     def shutdown(self) -> None:
-        """Nothing to stop in-process; kept so callers can treat every engine alike."""
+        """Stop the constraint compiler's processes (if constraints were used)."""
+        self.scheduler.shutdown()

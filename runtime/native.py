@@ -22,6 +22,41 @@ NATIVE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "return_logpr
                  "top_logprobs_num", "return_text_in_logprobs", "rid", "messages"}
 
 
+_INT, _NUM, _BOOL, _STR = {"type": "integer"}, {"type": "number"}, {"type": "boolean"}, {"type": "string"}
+_TOKENS = {"type": "array", "items": _INT}
+SAMPLING_PARAMS_SCHEMA = {
+    "type": "object",
+    "properties": {
+        **dict.fromkeys(("max_new_tokens", "min_new_tokens", "top_k", "n", "seed"), _INT),
+        **dict.fromkeys(("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                         "presence_penalty"), _NUM),
+        **dict.fromkeys(("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"), _BOOL),
+        **dict.fromkeys(("regex", "json_schema", "dtype", "choices_method"), _STR),
+        "stop": {"anyOf": [_STR, {"type": "array", "items": _STR}]},
+        "stop_token_ids": _TOKENS,
+        "logit_bias": {"type": "object", "additionalProperties": _NUM},
+        "choices": {"type": "array", "items": _STR},
+    },
+    "additionalProperties": False,
+}
+# The /generate body, for the OpenAPI document (native_requests checks it, with messages that
+# name the problem).
+GENERATE_BODY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "text": {"anyOf": [_STR, {"type": "array", "items": _STR}]},
+        "input_ids": {"anyOf": [_TOKENS, {"type": "array", "items": _TOKENS}]},
+        "messages": {"type": "array", "items": {"type": "object"}},
+        "sampling_params": {"anyOf": [SAMPLING_PARAMS_SCHEMA, {"type": "array", "items": SAMPLING_PARAMS_SCHEMA}]},
+        **dict.fromkeys(("stream", "return_logprob", "return_text_in_logprobs"), _BOOL),
+        **dict.fromkeys(("logprob_start_len", "top_logprobs_num"), _INT),
+        "rid": {"anyOf": [_STR, {"type": "array", "items": _STR}]},
+    },
+    "additionalProperties": False,
+}
+assert set(GENERATE_BODY_SCHEMA["properties"]) == NATIVE_FIELDS
+
+
 def native_requests(body: dict[str, Any]) -> tuple[list[GenerateRequest], bool]:
     """Expand a native /generate body into one GenerateRequest per prompt and sample (n)."""
     unknown = sorted(set(body) - NATIVE_FIELDS)
@@ -47,6 +82,8 @@ def native_requests(body: dict[str, Any]) -> tuple[list[GenerateRequest], bool]:
         n = p.get("n", 1)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise BadRequest("sampling_params.n must be an integer >= 1")
+        if len(reqs) + n > MAX_BATCH:  # checked before expanding: n may be huge
+            raise BadRequest(f"more than {MAX_BATCH} generations (prompts x n) in one call")
         base = _rid(rids, i, single)
         for j in range(n):
             rid = base if n == 1 else f"{base}-{j}"
@@ -62,8 +99,6 @@ def native_requests(body: dict[str, Any]) -> tuple[list[GenerateRequest], bool]:
                 return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
                 stream=bool(body.get("stream", False)),
             ))
-    if len(reqs) > MAX_BATCH:
-        raise BadRequest(f"{len(reqs)} generations in one call; at most {MAX_BATCH}")
     return reqs, single and len(reqs) == 1
 
 

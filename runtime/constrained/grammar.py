@@ -2,7 +2,7 @@
 per-step token bitmask of a batch.
 
 A request with `regex` or `json_schema` waits in the scheduler's pending list
-while a worker thread builds its Index (cached by constraint, LRU, as a
+while a compiler process builds its Index (cached by constraint, LRU, as a
 `Grammar` that also remembers its forced continuations for jump-forward); it
 then carries its own `Guide` (the automaton's state), advanced by every token
 it samples. Each step the constrained rows of the batch get one bitmask row each;
@@ -11,21 +11,21 @@ unconstrained rows stay all-ones.
 
 from __future__ import annotations
 
-import json
-import re
-import time
+import select
+import subprocess
+import threading
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import torch
-from outlines_core import Guide, Index, Vocabulary
-from outlines_core.json_schema import build_regex_from_schema
+from outlines_core import Guide, Vocabulary
 
+from runtime.constrained import compile_worker
+from runtime.constrained.constraint_regex import ConstraintKey, GrammarError
 from runtime.constrained.jump_forward import Grammar, JumpForward
 from runtime.sampling_params import SamplingParams
-
-ConstraintKey = tuple[str, str]  # ("regex" | "json_schema", its text)
 
 # `dtype` constraints: a literal of that type (bools and strings as Python writes them)
 DTYPE_REGEXES = {
@@ -34,10 +34,6 @@ DTYPE_REGEXES = {
     "bool": r"(True|False)",
     "str": r'"([^"\\\n]|\\.)*"',
 }
-
-
-class GrammarError(ValueError):
-    """The constraint cannot be used; the message names the problem."""
 
 
 def constraint_key(params: SamplingParams) -> ConstraintKey | None:
@@ -50,80 +46,64 @@ def constraint_key(params: SamplingParams) -> ConstraintKey | None:
     return None
 
 
-def to_regex(key: ConstraintKey) -> str:
-    kind, text = key
-    if kind == "regex":
-        return text
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise GrammarError(f"json_schema is not valid JSON: {e}") from None
-    try:
-        regex = build_regex_from_schema(json.dumps(_strict_formats(schema)))
-    except Exception as e:  # noqa: BLE001 - outlines-core raises plain exceptions for unsupported schemas
-        raise GrammarError(f"unsupported JSON schema: {e}") from None
-    # NOTE: outlines-core writes formats (date, time, ...) with \d, which its automaton reads as any
-    # Unicode digit ("🯸🯸🯸🯸-10-20" would pass); JSON Schema means ASCII digits.
-    return _ASCII_DIGIT.sub(r"\1[0-9]", regex)
-
-
-_ASCII_DIGIT = re.compile(r"(?<!\\)((?:\\\\)*)\\d")
-
-# RFC 3339, as JSON Schema's date-time and time mean (outlines-core makes the offset optional)
-_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
-_FORMAT_PATTERNS = {
-    "date-time": rf"^[0-9]{{4}}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T{_TIME}$",
-    "time": rf"^{_TIME}$",
-}
-
-
-def _strict_formats(node: object) -> object:
-    """The schema with `date-time` and `time` strings written as RFC 3339 patterns."""
-    if isinstance(node, list):
-        return [_strict_formats(n) for n in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: _strict_formats(v) for k, v in node.items()}
-    if out.get("format") in _FORMAT_PATTERNS and "pattern" not in out:
-        out["pattern"] = _FORMAT_PATTERNS[out.pop("format")]
-    return out
-
-
 class GrammarCompiler:
-    """Builds Indexes in a thread pool; `poll` answers without waiting."""
+    """Builds Indexes off the caller's thread; `poll` answers without waiting.
+
+    Each of `workers` threads drives one child process (compile_worker.py) that holds the
+    vocabulary and builds Indexes; a build that runs past `timeout_s` kills its child (the
+    next build starts a fresh one), so an exploding automaton costs one request, not a core.
+    """
 
     def __init__(self, vocabulary: Vocabulary, workers: int = 2, cache_size: int = 256,
-                 timeout_s: float = 60.0, jump_forward: JumpForward | None = None) -> None:
-        self.vocabulary = vocabulary
+                 timeout_s: float = 30.0, jump_forward: JumpForward | None = None) -> None:
         self.jump_forward = jump_forward
         self.timeout_s = timeout_s
+        self.vocabulary = vocabulary
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="radixlm-grammar")
+        self._local = threading.local()  # each pool thread's child process
+        self._children: list[subprocess.Popen] = []
+        # the children go when the compiler does, even when no one calls shutdown
+        self.shutdown = weakref.finalize(self, _stop, self._pool, self._children)
         self._cache: OrderedDict[ConstraintKey, Grammar] = OrderedDict()
         self._cache_size = cache_size
-        self._compiling: dict[ConstraintKey, tuple[Future, float]] = {}
+        self._compiling: dict[ConstraintKey, Future] = {}
 
     def submit(self, key: ConstraintKey) -> None:
         if key in self._cache or key in self._compiling:
             return
-        self._compiling[key] = (self._pool.submit(self._compile, key), time.monotonic())
+        self._compiling[key] = self._pool.submit(self._compile, key)
 
     def _compile(self, key: ConstraintKey) -> Grammar:
-        regex = to_regex(key)
+        child = self._child()
         try:
-            return Grammar(Index(regex, self.vocabulary))
-        except Exception as e:  # noqa: BLE001 - invalid regex, or one no token sequence can match
-            raise GrammarError(f"cannot compile the {key[0]} constraint: {e}") from None
+            compile_worker.write_message(child.stdin, key)
+            if not select.select([child.stdout], [], [], self.timeout_s)[0]:
+                _kill(child)
+                raise GrammarError(f"compiling the {key[0]} constraint took more than {self.timeout_s:g}s")
+            status, value = compile_worker.read_message(child.stdout)
+        except (EOFError, OSError):
+            _kill(child)
+            raise GrammarError(f"the compiler process died on the {key[0]} constraint (out of memory?)") from None
+        if status != "ok":
+            raise GrammarError(value)
+        return Grammar(value)
+
+    def _child(self) -> subprocess.Popen:
+        """This thread's compiler process, started (and sent the vocabulary) when there is none."""
+        child = getattr(self._local, "child", None)
+        if child is None or child.poll() is not None:
+            child = self._local.child = compile_worker.spawn()
+            self._children.append(child)
+            compile_worker.write_message(child.stdin, self.vocabulary)
+        return child
 
     def poll(self, key: ConstraintKey) -> Grammar | GrammarError | None:
         """The Grammar when ready, the error if compiling failed or timed out, else None."""
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        future, started = self._compiling[key]
+        future = self._compiling[key]
         if not future.done():
-            if time.monotonic() - started > self.timeout_s:
-                del self._compiling[key]  # the thread finishes on its own; its result is dropped
-                return GrammarError(f"compiling the {key[0]} constraint took more than {self.timeout_s:.0f}s")
             return None
         del self._compiling[key]
         error = future.exception()
@@ -136,17 +116,27 @@ class GrammarCompiler:
 
     def wait_any(self, timeout: float) -> None:
         """Block until some compile finishes (or `timeout`): lets an idle scheduler sleep."""
-        futures = [f for f, _ in self._compiling.values()]
+        futures = list(self._compiling.values())
         if futures:
             from concurrent.futures import FIRST_COMPLETED, wait
 
             wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+
+def _stop(pool: ThreadPoolExecutor, children: list[subprocess.Popen]) -> None:
+    pool.shutdown(wait=False, cancel_futures=True)
+    for child in children:
+        _kill(child)
 
 
-def compiler_factory(tokenizer: object, vocab_size: int, eos_token_ids: Sequence[int]):
+def _kill(child: subprocess.Popen) -> None:
+    child.kill()
+    child.wait()
+    for stream in (child.stdin, child.stdout):
+        stream.close()
+
+
+def compiler_factory(tokenizer: object, vocab_size: int, eos_token_ids: Sequence[int], timeout_s: float = 30.0):
     """A zero-argument maker of the GrammarCompiler, for the scheduler to call on first use."""
 
     def make() -> GrammarCompiler:
@@ -160,7 +150,7 @@ def compiler_factory(tokenizer: object, vocab_size: int, eos_token_ids: Sequence
 
         table = token_bytes(tokenizer, vocab_size, eos_token_ids)  # one pass over the vocabulary, shared
         jump = JumpForward(table, eos_token_ids[0], encode, pre_splitter(tokenizer))
-        return GrammarCompiler(vocabulary_from_bytes(table, eos_token_ids[0]), jump_forward=jump)
+        return GrammarCompiler(vocabulary_from_bytes(table, eos_token_ids[0]), timeout_s=timeout_s, jump_forward=jump)
 
     return make
 

@@ -30,7 +30,8 @@ class SchedulerProcess:
         self.worker = ModelWorker(args, source)
         grammar = None
         if tokenizer is not None:
-            grammar = compiler_factory(tokenizer, self.worker.config.vocab_size, self.worker.config.eos_token_ids)
+            grammar = compiler_factory(tokenizer, self.worker.config.vocab_size, self.worker.config.eos_token_ids,
+                                       args.constraint_timeout)
         self.scheduler = Scheduler(args, self.worker, decode=decode, grammar=grammar)
         self.ctx = zmq.Context()
         self.inbox = ipc.socket(self.ctx, zmq.PULL, recv_from, bind=False)

@@ -13,6 +13,7 @@ and `step` are its API.
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass
 from typing import Callable
 
@@ -103,6 +104,12 @@ class Scheduler:
         if tr.rid in self._live:
             raise RequestError(f"request id {tr.rid!r} is already in flight")
         tr.sampling_params.validate(vocab)
+        room = self.context_length - len(tr.input_ids)
+        if tr.sampling_params.max_new_tokens > room:
+            raise RequestError(
+                f"max_new_tokens={tr.sampling_params.max_new_tokens} does not fit: the prompt has "
+                f"{len(tr.input_ids)} tokens and the context length is {self.context_length}, so at most {room}"
+            )
         req = Req(tr, self._arrivals)
         req.grammar_key = constraint_key(tr.sampling_params)
         if req.grammar_key is not None:
@@ -116,11 +123,15 @@ class Scheduler:
         req = self._live.get(rid)
         if req is None:
             return None
+        self._dequeue(req)
+        return self._end(req, Finish(FinishKind.ABORT, "aborted"))
+
+    def _dequeue(self, req: Req) -> None:
         if req is self.chunked:
             self.chunked = None
-        else:
-            next(q for q in (self.waiting, self.running, self.pending) if req in q).remove(req)
-        return self._end(req, Finish(FinishKind.ABORT, "aborted"))
+        for queue in (self.waiting, self.running, self.pending):
+            if req in queue:
+                queue.remove(req)
 
     @property
     def grammar(self) -> GrammarCompiler:
@@ -148,7 +159,11 @@ class Scheduler:
                 self.grammar.wait_any(timeout=0.05)  # nothing to run until a constraint compiles
             ended, self._ended = self._ended, []
             return ended
-        result = self.worker.forward(self._to_worker_batch(batch))
+        worker_batch = self._to_worker_batch(batch)
+        try:
+            result = self.worker.forward(worker_batch)
+        except Exception:  # noqa: BLE001 - the batch's requests fail; the scheduler serves on
+            return self._fail(batch)
         self.forward_passes += 1
         self.request_passes += len(batch.reqs)
         outputs = self._process(batch, result)
@@ -169,6 +184,10 @@ class Scheduler:
                 req.grammar = result
                 req.guide = Guide(result.index, max_rollback=RETOKENIZE_TOKENS)
                 self.waiting.append(req)
+
+    def shutdown(self) -> None:
+        if self._grammar is not None:
+            self._grammar.shutdown()
 
     def check_accounting(self) -> None:
         self.kv.check_accounting(self._reqs_with_rows())
@@ -454,6 +473,22 @@ class Scheduler:
                 if b.mode is ForwardMode.EXTEND and not b.mixed:
                     self.running.append(req)
                 outputs.append(self._output(req))
+        return outputs
+
+    def _fail(self, b: ScheduledBatch) -> list[TokenOutput]:
+        """The model raised on batch `b`: its requests end with a 500 naming an error id (the log has
+        the traceback under it); their KV up to this step goes to the cache, the pages this
+        step allocated are freed, and every other request carries on."""
+        error_id = uuid.uuid4().hex[:12]
+        log.exception("forward pass failed on requests %s (error id %s)", [r.rid for r in b.reqs], error_id)
+        message = f"internal error while running the model (error id {error_id})"
+        outputs, self._ended = self._ended, []
+        for req, n in zip(b.reqs, b.extend_lens):
+            computed = req.cached_len
+            req.cached_len += n  # the slots this step was given: hand its pages back
+            self.kv.truncate(req, computed)
+            self._dequeue(req)
+            outputs.append(self._end(req, Finish(FinishKind.ABORT, message, status=500)))
         return outputs
 
     # ---- jump-forward ------------------------------------------------------------------------

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable
 
 import orjson
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.client import RequestFailed, RuntimeClient
 from runtime.messages import ClientOutput, GenerateRequest
-from runtime.native import BadRequest, native_requests, native_result
+from runtime.native import GENERATE_BODY_SCHEMA, BadRequest, native_requests, native_result
 from runtime.server.metrics import Metrics
+
+log = logging.getLogger("radixlm.http")
 
 
 class HTTPError(Exception):
@@ -64,6 +68,12 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
         if e.status == 503:  # full: tell clients (the OpenAI SDK among them) when to retry
             response.headers["Retry-After"] = "1"
         return response
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        error_id = uuid.uuid4().hex[:12]
+        log.error("%s %s failed (error id %s)", request.method, request.url.path, error_id, exc_info=e)
+        return error_response(f"internal server error (error id {error_id})", 500)
 
     @app.get("/health")
     async def health() -> Response:
@@ -124,9 +134,38 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
         return JSONResponse(out[0] if single else out)
 
     from runtime.server.openai_api import add_openai_routes
+    from runtime.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 
     add_openai_routes(app, state)
+    document_bodies(app, {
+        "/generate": GENERATE_BODY_SCHEMA,
+        "/abort_request": {"type": "object", "properties": {"rid": {"type": "string"}}, "required": ["rid"]},
+        "/v1/completions": CompletionRequest,
+        "/v1/chat/completions": ChatCompletionRequest,
+    })
     return app
+
+
+def document_bodies(app: FastAPI, bodies: dict[str, dict[str, Any] | type]) -> None:
+    """Put the request bodies into the OpenAPI document. The endpoints parse bodies themselves (to
+    answer bad input with a 400 that names the problem, in OpenAI's error shape), so FastAPI does
+    not know them; a body is a JSON schema or a pydantic model."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = spec.setdefault("components", {}).setdefault("schemas", {})
+            for path, body in bodies.items():
+                if isinstance(body, type):
+                    body = body.model_json_schema(ref_template="#/components/schemas/{model}")
+                body = dict(body)
+                components.update(body.pop("$defs", {}))
+                spec["paths"][path]["post"]["requestBody"] = {
+                    "required": True, "content": {"application/json": {"schema": body}}}
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 class Guard:

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import signal
+import subprocess
 import threading
 import time
 
@@ -66,3 +67,21 @@ def serve(args: ServerArgs, host: str = "127.0.0.1", port: int = 30000, api_key:
 
 def _exit_quietly(signum: int, frame: object) -> None:
     raise SystemExit(0)
+
+
+def wait_until_serving(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Block until the server `proc` started answers /health at `url`; raises RuntimeError if it
+    exits first or does not answer within `timeout` seconds (for scripts and tests that start one)."""
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before answering")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server did not answer within {timeout:.0f}s")

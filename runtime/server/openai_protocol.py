@@ -46,6 +46,12 @@ class RequestAborted(RuntimeError):
 # ---------------------------------------------------------------- requests
 
 
+# OpenAI request fields that have no effect on a local model server (bookkeeping, billing,
+# tool-call parallelism): accepted so that clients sending them work, and ignored.
+ACCEPTED_NO_EFFECT = frozenset({"store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                                "safety_identifier"})
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
@@ -54,13 +60,14 @@ class StreamOptions(BaseModel):
 class _OpenAIRequest(BaseModel):
     """Shared parsing rules of both endpoints.
 
-    Unknown fields are kept in ``model_extra`` and ignored: OpenAI clients
-    send fields we do not implement, and refusing them breaks those clients.
+    An unknown field is refused (400 naming it), as OpenAI does: a misspelt
+    ``max_token`` must not silently fall back to the default. OpenAI fields
+    that change nothing here (``ACCEPTED_NO_EFFECT``) are accepted and dropped.
     JSON ``null`` means "use the default" except for the fields in
     ``_null_is_meaningful``.
     """
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     _null_is_meaningful: ClassVar[frozenset[str]] = frozenset()
 
     model: str
@@ -91,7 +98,8 @@ class _OpenAIRequest(BaseModel):
     def _drop_nulls(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        return {k: v for k, v in data.items() if v is not None or k in cls._null_is_meaningful}
+        return {k: v for k, v in data.items()
+                if (v is not None or k in cls._null_is_meaningful) and k not in ACCEPTED_NO_EFFECT}
 
     @field_validator("logit_bias")
     @classmethod

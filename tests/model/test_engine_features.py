@@ -230,3 +230,41 @@ def test_max_running_requests_caps_the_batch(tiny_llama):
     for i, ref in enumerate(tiny_llama.refs[:6]):
         assert_matches(outputs[f"m{i}"], ref.truncated(8), f"max-running prompt {i}")
     assert_drained(engine)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_forward_that_raises_fails_its_batch_and_the_rest_carry_on(tiny_llama, page_size, caplog):
+    engine = tiny_llama.engine(page_size=page_size)
+    sched, forward, calls = engine.scheduler, engine.worker.forward, []
+
+    def flaky(batch):
+        calls.append(batch.input_ids.numel())
+        if len(calls) == 3:
+            raise RuntimeError("injected fault")
+        return forward(batch)
+
+    engine.worker.forward = flaky
+    greedy = dict(max_new_tokens=12, temperature=0)
+    a, b = tiny_llama.prompts[0], tiny_llama.prompts[1]
+    sched.add_request(TokenizedRequest("a", a, SamplingParams(**greedy)))
+    finished = {}
+    for step in range(40):
+        if step == 2:  # a is decoding; b's prefill will be the failing pass
+            sched.add_request(TokenizedRequest("b", b, SamplingParams(**greedy)))
+        for out in sched.step():
+            finished.setdefault(out.rid, []).extend(out.new_token_ids)
+            if out.finish_reason:
+                finished[out.rid + ".finish"] = out.finish_reason
+        if not sched.has_work:
+            break
+    assert calls[2] == len(b), "the third pass is b's prefill"
+    fail = finished["b.finish"]
+    assert fail["type"] == "abort" and fail["status"] == 500 and "error id" in fail["message"]
+    error_id = fail["message"].split("error id ")[1].rstrip(")")
+    assert error_id in caplog.text and "injected fault" in caplog.text  # the traceback is logged under the id
+    assert finished["a.finish"]["type"] == "length"
+    assert_matches(finished["a"], tiny_llama.refs[0].truncated(12), "a, decoding past the failure")
+    assert_drained(engine)
+    retry = engine.generate(input_ids=b, sampling_params=greedy)  # the engine serves on, from a clean cache
+    assert_matches(retry["output_ids"], tiny_llama.refs[1].truncated(12), "b, retried")
+    assert_drained(engine)

@@ -21,27 +21,23 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, *extra: str) -> None:
-        self.port = free_port()
+    def __init__(self, *extra: str, launcher: tuple[str, ...] = ("-m", "runtime.cli"), port: int | None = None) -> None:
+        """`launcher`: what python runs, given the `serve ...` arguments (a test double can stand in)."""
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "runtime.cli", "serve", "--port", str(self.port), "--max-total-tokens", "30000", *extra]
+        cmd = [sys.executable, *launcher, "serve", "--port", str(self.port), "--max-total-tokens", "30000", *extra]
         self.log_path = f"/tmp/radixlm-test-server-{self.port}.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 300) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"server not ready in {timeout}s: {self.output()}")
+        from runtime.server.launch_server import wait_until_serving
+
+        try:
+            wait_until_serving(self.url, self.proc, timeout)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}: {self.output()}") from None
 
     def output(self) -> str:
         if not self.log.closed:
@@ -49,9 +45,17 @@ class LiveServer:
         with open(self.log_path) as f:
             return f.read()[-4000:]
 
-    def child_pids(self) -> list[int]:
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+    def child_pids(self, of: int | None = None) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(of or self.proc.pid)], capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
+
+    def descendant_pids(self) -> list[int]:
+        found, stack = [], [self.proc.pid]
+        while stack:
+            children = self.child_pids(stack.pop())
+            found += children
+            stack += children
+        return found
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
         if self.proc.poll() is None:

@@ -16,6 +16,8 @@ class StandInClient:
     on_finish = None
 
     async def control(self, op: str) -> dict:
+        if op == "flush_cache":
+            raise KeyError("a bug")
         return {"op": op}
 
 
@@ -103,3 +105,10 @@ def test_served_with_an_api_key_the_openai_client_needs_it():
         assert after.status_code == 200  # the refused ones left nothing behind
     finally:
         assert srv.stop() == 0, srv.output()
+
+
+def test_an_unexpected_error_is_a_500_with_an_id_in_the_log(caplog):
+    r = TestClient(app().app, raise_server_exceptions=False).post("/flush_cache", content=b"")
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    error_id = r.json()["error"]["message"].split("error id ")[1].rstrip(")")
+    assert f"(error id {error_id})" in caplog.text and "a bug" in caplog.text

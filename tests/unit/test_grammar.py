@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -23,7 +24,7 @@ def compiler():
 
 def _wait(c, key):
     c.submit(key)
-    for _ in range(500):
+    for _ in range(1000):
         result = c.poll(key)
         if result is not None:
             return result
@@ -57,12 +58,47 @@ def test_errors_name_the_problem_and_results_are_cached(compiler):
     assert _wait(compiler, ("regex", "a+")) is not first
 
 
+def test_an_exploding_regex_times_out_and_the_compiler_recovers():
+    c = GrammarCompiler(Vocabulary(0, TOKENS), workers=1, timeout_s=1.0)
+    try:
+        started = time.monotonic()
+        err = _wait(c, ("regex", "(a|b)*a(a|b){40}"))  # 2^40 automaton states
+        assert isinstance(err, GrammarError) and "more than 1s" in str(err)
+        assert time.monotonic() - started < 4
+        (stuck,) = c._children
+        assert stuck.returncode is not None  # killed, not left burning a core
+        assert not isinstance(_wait(c, ("regex", "ab")), GrammarError)  # a fresh child takes over
+    finally:
+        c.shutdown()
+    assert all(child.poll() is not None for child in c._children)
+
+
+def test_deeply_nested_schemas_are_refused_with_a_reason(compiler):
+    err = _wait(compiler, ("json_schema", '{"items": ' * 200 + "{}" + "}" * 200))
+    assert isinstance(err, GrammarError) and "more than 128 deep" in str(err)
+    err = _wait(compiler, ("json_schema", '{"items": ' * 5000 + "{}" + "}" * 5000))  # past json's recursion limit
+    assert isinstance(err, GrammarError) and "json_schema" in str(err)
+
+
+def test_a_schema_whose_regex_explodes_is_stopped():
+    schema = {"type": "integer"}
+    for _ in range(40):  # shallow enough to pass the nesting check; its regex would take 4^40 bytes
+        schema = {"type": "array", "items": schema}
+    c = GrammarCompiler(Vocabulary(0, TOKENS), workers=1, timeout_s=5.0)
+    try:
+        err = _wait(c, ("json_schema", json.dumps(schema)))
+        assert isinstance(err, GrammarError), err
+        assert not isinstance(_wait(c, ("regex", "ab")), GrammarError)
+    finally:
+        c.shutdown()
+
+
 def test_date_time_and_time_formats_require_an_offset():
     """JSON Schema's date-time and time are RFC 3339: the offset is not optional."""
     import json
     import re
 
-    from runtime.constrained.grammar import to_regex
+    from runtime.constrained.constraint_regex import to_regex
 
     rx = to_regex(("json_schema", json.dumps({"type": "string", "format": "date-time"})))
     assert re.fullmatch(rx, '"2008-07-18T00:00:00Z"') and re.fullmatch(rx, '"2008-07-18T23:59:01.5+02:00"')

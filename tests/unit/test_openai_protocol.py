@@ -109,10 +109,13 @@ def test_best_of_one_and_nulls_are_accepted() -> None:
     assert req.n == 1 and req.temperature is None and req.suffix is None
 
 
-def test_unknown_fields_are_kept_but_ignored() -> None:
-    req = chat(service_tier="auto", parallel_tool_calls=False)
-    assert req.model_extra == {"service_tier": "auto", "parallel_tool_calls": False}
+def test_unknown_fields_are_refused_and_openai_bookkeeping_ignored() -> None:
+    req = chat(service_tier="auto", parallel_tool_calls=False, store=True)
     assert "service_tier" not in chat_to_generate(req, "p")["sampling_params"]
+    with pytest.raises(ValidationError, match="max_token\n.*Extra inputs"):
+        completion(max_token=5)
+    with pytest.raises(ValidationError, match="tools"):
+        chat(tools=[{"type": "function", "function": {"name": "f"}}])
 
 
 def test_max_tokens_null_means_no_limit_but_absent_means_16() -> None:

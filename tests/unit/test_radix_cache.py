@@ -5,8 +5,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from runtime.cache.allocator import PageAllocator
 from runtime.cache.radix_cache import NoPrefixCache, PrefixCache, RadixCache, TreeNode
@@ -310,9 +311,64 @@ def test_heap_stays_bounded_under_repeated_touches() -> None:
     assert len(cache.match_prefix([1, 2, 3, 4]).slots) == 4 and len(cache.match_prefix([1, 2, 5, 6]).slots) == 2
 
 
-@settings(max_examples=40, deadline=None)
-@given(page_size=st.sampled_from([1, 3, 4]), num_pages=st.integers(4, 20), seed=st.integers(0, 2**32))
-def test_hypothesis_random_ops(page_size: int, num_pages: int, seed: int) -> None:
-    sim = drive(page_size, num_pages, seed, steps=60)
-    sim.cache.reset()
-    assert sim.alloc.num_free_pages == num_pages
+class RadixMachine(RuleBasedStateMachine):
+    """Random insert / match / lock / unlock / share / evict / reset sequences; after every step the
+    tree's invariants and the page accounting hold, and every matched slot holds its prefix's KV."""
+
+    @initialize(page_size=st.sampled_from([1, 2, 4]), num_pages=st.integers(1, 24))
+    def setup(self, page_size: int, num_pages: int) -> None:
+        self.sim = Sim(make(page_size, num_pages)[1])
+        self.seen: list[list[int]] = []
+
+    @rule(data=st.data())
+    def start(self, data) -> None:  # match, lock, allocate (evicting when short)
+        base = data.draw(st.sampled_from(self.seen)) if self.seen and data.draw(st.booleans()) else []
+        head = base[: data.draw(st.integers(0, len(base)))]
+        tokens = head + data.draw(st.lists(st.integers(0, 2), max_size=3 * self.sim.P))
+        if self.sim.start(tokens) is not None:
+            self.seen.append(tokens)
+
+    @precondition(lambda self: self.sim.live)
+    @rule(i=st.integers(0, 15))
+    def finish(self, i: int) -> None:  # cache_request + unlock
+        self.sim.finish(self.sim.live[i % len(self.sim.live)])
+
+    @precondition(lambda self: self.sim.live)
+    @rule(i=st.integers(0, 15))
+    def share(self, i: int) -> None:  # cache_unfinished: lock the new path, unlock the old
+        self.sim.share(self.sim.live[i % len(self.sim.live)])
+
+    @precondition(lambda self: self.seen)
+    @rule(i=st.integers(0, 15))
+    def match(self, i: int) -> None:  # a match without admission only touches the path
+        tokens = self.seen[i % len(self.seen)]
+        for slot_i, slot in enumerate(self.sim.cache.match_prefix(tokens).slots.tolist()):
+            assert self.sim.kv[slot] == tuple(tokens[: slot_i + 1])
+
+    @rule(want=st.integers(0, 6))
+    def evict(self, want: int) -> None:
+        before = self.sim.cache.evictable_pages
+        freed = self.sim.cache.evict(want)
+        assert freed == before - self.sim.cache.evictable_pages and freed >= min(want, before)
+
+    @precondition(lambda self: not self.sim.live)
+    @rule()
+    def reset(self) -> None:
+        self.sim.cache.reset()
+        assert self.sim.alloc.num_free_pages == self.sim.alloc.num_pages
+
+    @invariant()
+    def consistent(self) -> None:
+        if hasattr(self, "sim"):
+            self.sim.check()
+
+    def teardown(self) -> None:
+        if hasattr(self, "sim"):
+            for req in list(self.sim.live):
+                self.sim.finish(req)
+            self.sim.cache.evict(10**9)
+            assert self.sim.alloc.num_free_pages == self.sim.alloc.num_pages, "pages lost"
+
+
+TestRadixMachine = RadixMachine.TestCase
+TestRadixMachine.settings = settings(stateful_step_count=12, deadline=None)

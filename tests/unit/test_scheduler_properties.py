@@ -1,0 +1,170 @@
+"""The scheduler under random workloads, with a stand-in model whose KV is a hash chain.
+
+`EchoWorker` computes each fed token's "KV" from the token and the KV of the position before it,
+read back through the request's row of the req-to-token table, as attention would; the next token
+is the last KV mod the vocabulary. A slot handed to the wrong request or reused while still
+referenced, a prefix matched wrongly, a retraction or a chunk that loses a token: each changes the
+chain, and so the output. The oracle computes every request's tokens directly from its prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from runtime.args import SCHEDULE_POLICIES, ServerArgs
+from runtime.cache.kv_pool import ReqToTokenTable
+from runtime.messages import TokenizedRequest
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler.scheduler import Scheduler
+from runtime.worker.model_worker import WorkerOutput
+
+VOCAB, EOS, CONTEXT = 50, 0, 96
+_MOD = 1_000_003
+
+
+def chain(kv_before: int, token: int) -> int:
+    return (kv_before * 31 + token + 7) % _MOD
+
+
+class EchoWorker:
+    def __init__(self, num_pages: int, page_size: int, max_running: int) -> None:
+        self.device = torch.device("cpu")
+        self.context_length, self.page_size, self.num_pages = CONTEXT, page_size, num_pages
+        self.config = SimpleNamespace(vocab_size=VOCAB, eos_token_ids=[EOS])
+        self.req_to_token = ReqToTokenTable(max_running + 1, CONTEXT + 1, self.device)
+        self.kv = [(-1, -1)] * (num_pages * page_size)  # slot -> (chain value, token)
+        self.broken: list[str] = []  # contexts found inconsistent, as attention would read them
+
+    def forward(self, b) -> WorkerOutput:
+        table = self.req_to_token.table
+        owner = torch.repeat_interleave(torch.arange(len(b.extend_lens)), b.extend_lens).tolist()
+        rows, positions = b.req_rows.tolist(), b.positions.tolist()
+        for i, (token, slot) in enumerate(zip(b.input_ids.tolist(), b.out_slots.tolist())):
+            row, pos = rows[owner[i]], positions[i]
+            if int(table[row, pos]) != slot:
+                self.broken.append(f"row {row} position {pos}: the table does not point at the slot written")
+            before = self.kv[int(table[row, pos - 1])][0] if pos else 0
+            self.kv[slot] = (chain(before, token), token)
+        next_ids = []
+        for i in b.sample_rows.tolist():
+            row, pos = rows[owner[i]], positions[i]
+            context = [self.kv[s] for s in table[row, : pos + 1].tolist()]
+            value = 0
+            for p, (kv, token) in enumerate(context):  # the whole context, as attention reads it
+                value = chain(value, token)
+                if kv != value:
+                    self.broken.append(f"row {row}: the KV at position {p} belongs to another sequence")
+                    break
+            next_ids.append(context[-1][0] % VOCAB)
+        return WorkerOutput(next_token_ids=next_ids)
+
+
+def reference(prompt: list[int], max_new: int, ignore_eos: bool) -> list[int]:
+    kv = 0
+    for t in prompt:
+        kv = chain(kv, t)
+    out: list[int] = []
+    while len(out) < max_new and len(prompt) + len(out) < CONTEXT:
+        t = kv % VOCAB
+        out.append(t)
+        kv = chain(kv, t)
+        if t == EOS and not ignore_eos:
+            break
+    return out
+
+
+@dataclass
+class Arrival:
+    step: int
+    prompt: list[int]
+    max_new: int
+    ignore_eos: bool
+    abort_after: int | None  # steps after arrival
+
+
+prefixes = st.lists(st.integers(1, VOCAB - 1), min_size=0, max_size=24)
+
+
+@st.composite
+def workloads(draw):
+    heads = draw(st.lists(prefixes, min_size=1, max_size=3))
+    arrivals = []
+    for _ in range(draw(st.integers(1, 10))):
+        head = draw(st.sampled_from(heads))
+        tail = draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=12))
+        arrivals.append(Arrival(
+            step=draw(st.integers(0, 12)), prompt=(head + tail)[: CONTEXT - 24], max_new=draw(st.integers(0, 20)),
+            ignore_eos=draw(st.booleans()), abort_after=draw(st.none() | st.integers(0, 10)),
+        ))
+    return arrivals
+
+
+@settings(deadline=None, max_examples=300)
+@given(
+    arrivals=workloads(),
+    page_size=st.sampled_from([1, 2, 4]),
+    spare_pages=st.integers(0, 40) | st.integers(0, 4),  # often tight: retraction
+    chunk=st.sampled_from([0, 3, 8, 64]),
+    policy=st.sampled_from(SCHEDULE_POLICIES),
+    radix=st.booleans(),
+    max_running=st.integers(1, 6),
+    reserve=st.sampled_from([0.0, 0.7]),  # share of max_new_tokens reserved at admission; 0: retract often
+)
+def test_every_request_ends_once_with_the_oracles_tokens(arrivals, page_size, spare_pages, chunk, policy, radix,
+                                                         max_running, reserve):
+    # the smallest pool that still holds the longest request: tight pools force retraction
+    longest = max(len(a.prompt) + a.max_new for a in arrivals)
+    num_pages = -(-longest // page_size) + 1 + spare_pages // page_size
+    args = ServerArgs(chunked_prefill_size=chunk, max_prefill_tokens=64, schedule_policy=policy,
+                      disable_radix_cache=not radix, max_running_requests=max_running, debug_accounting=True,
+                      init_new_token_ratio=reserve, min_new_token_ratio=min(reserve, 0.1))
+    worker = EchoWorker(num_pages, page_size, max_running)
+    sched = Scheduler(args, worker)
+    tokens: dict[str, list[int]] = {}
+    finishes: dict[str, list[dict]] = {}
+    aborts = {}
+    step = 0
+    while step < 2000:
+        for i, a in enumerate(arrivals):
+            if a.step == step:
+                sched.add_request(TokenizedRequest(f"r{i}", a.prompt, SamplingParams(
+                    max_new_tokens=a.max_new, ignore_eos=a.ignore_eos, temperature=0)))
+                tokens[f"r{i}"], finishes[f"r{i}"] = [], []
+                if a.abort_after is not None:
+                    aborts[f"r{i}"] = step + a.abort_after
+        for rid, when in aborts.items():
+            if when == step:
+                out = sched.abort(rid)
+                if out is not None:
+                    tokens[rid] += out.new_token_ids
+                    finishes[rid].append(out.finish_reason)
+        for out in sched.step():
+            assert not finishes[out.rid], f"{out.rid} sent output after it ended"
+            tokens[out.rid] += out.new_token_ids
+            if out.finish_reason:
+                finishes[out.rid].append(out.finish_reason)
+        step += 1
+        if step > max(a.step for a in arrivals) and not sched.has_work:
+            break
+    assert not sched.has_work, "the workload did not drain"
+    assert not worker.broken, worker.broken[:3]
+    event(f"retracted: {sched.num_retractions > 0}")  # --hypothesis-show-statistics shows the mix
+    event(f"aborted: {sum(f[0]['type'] == 'abort' for f in finishes.values()) > 0}")
+    for i, a in enumerate(arrivals):
+        rid = f"r{i}"
+        assert len(finishes[rid]) == 1, f"{rid} ended {len(finishes[rid])} times: {finishes[rid]}"
+        want = reference(a.prompt, a.max_new, a.ignore_eos)
+        if finishes[rid][0]["type"] == "abort":
+            assert finishes[rid][0]["message"] == "aborted", finishes[rid]
+            assert tokens[rid] == want[: len(tokens[rid])], f"{rid} diverged before its abort"
+        else:
+            assert tokens[rid] == want, f"{rid}: {tokens[rid]} != oracle {want}"
+    sched.check_accounting()
+    kv = sched.kv
+    assert kv.cache.locked_pages == 0
+    assert kv.allocator.num_free_pages + kv.cache.evictable_pages == kv.num_pages
