@@ -78,10 +78,12 @@ def socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
     return sock
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies, so a killed server leaves no orphans."""
+def die_with_parent(name: str) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies, so a killed server leaves no orphans;
+    and name it (`ps`, `top` and /proc/PID/comm show `name`, at most 15 bytes)."""
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
-    PR_SET_PDEATHSIG = 1
+    PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    libc.prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))

@@ -47,7 +47,7 @@ def main() -> None:
     from runtime.constrained.constraint_regex import GrammarError, build_index
     from runtime.ipc import die_with_parent
 
-    die_with_parent()
+    die_with_parent("radixlm-grammar")
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing else may write into the reply stream

@@ -99,7 +99,7 @@ def _refused(req: TokenizedRequest, message: str) -> TokenOutput:
 def run_scheduler_process(args: ServerArgs, recv_from: str, send_to: str, ready: Connection) -> None:
     """Entry point of the scheduler process: report readiness (or the start-up error) on `ready`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
-    ipc.die_with_parent()
+    ipc.die_with_parent("radixlm-sched")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         proc = SchedulerProcess(args, recv_from, send_to)

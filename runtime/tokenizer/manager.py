@@ -342,7 +342,7 @@ class TokenizerManager:
 def run_tokenizer_process(args: ServerArgs, client_addr: str, to_scheduler: str, from_scheduler: str,
                           ready: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
-    ipc.die_with_parent()
+    ipc.die_with_parent("radixlm-tok")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         manager = TokenizerManager(args, client_addr, to_scheduler, from_scheduler)
