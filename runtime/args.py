@@ -40,6 +40,12 @@ class ServerArgs:
     new_token_ratio_decay: float = field(default=0.001, metadata={"help": "decay of the reserved share per decode step"})
     debug_accounting: bool = field(default=False, metadata={"help": "check KV accounting after every step (slow)"})
     skip_tokenizer_init: bool = field(default=False, metadata={"help": "load no tokenizer: token ids in and out only"})
+    tp_size: int = field(default=1, metadata={"help": "tensor-parallel ranks (processes; one GPU each on CUDA)"})
+    nnodes: int = field(default=1, metadata={"help": "machines the tensor-parallel ranks span (see docs/distributed.md)"})
+    node_rank: int = field(default=0, metadata={"help": "this machine's place among --nnodes (0 runs the scheduler and the API)"})
+    dist_init_addr: str | None = field(default=None, metadata={
+        "help": "host:port where node 0 meets the other ranks (default on one machine: a free local port)"})
+    dist_timeout: int = field(default=600, metadata={"help": "seconds a rank waits on the others before giving up"})
     num_threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch default)"})
 
     def __post_init__(self) -> None:
@@ -53,6 +59,18 @@ class ServerArgs:
             raise ValueError("page_size must be >= 0")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        if self.tp_size < 1 or self.nnodes < 1 or self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size ({self.tp_size}) must be a positive multiple of nnodes ({self.nnodes})")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must lie in [0, {self.nnodes})")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("several nodes need --dist-init-addr host:port (node 0's address)")
+
+    @property
+    def local_ranks(self) -> range:
+        """The tensor-parallel ranks this machine runs (rank 0 is the scheduler's)."""
+        per_node = self.tp_size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
     @property
     def chunk_size(self) -> int | None:

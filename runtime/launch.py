@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import shutil
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,18 +49,24 @@ class RuntimeProcesses:
 
 
 def launch_processes(args: ServerArgs, start_timeout: float = 600.0) -> RuntimeProcesses:
-    """Spawn the tokenizer and scheduler processes and wait until both are ready."""
+    """Spawn the tokenizer and scheduler processes (and this machine's other tensor-parallel ranks)
+    and wait until all are ready. On a node other than 0, only its tensor-parallel ranks run."""
     from runtime.scheduler.process import run_scheduler_process
     from runtime.tokenizer.manager import run_tokenizer_process
+    from runtime.worker.tp_worker import run_follower
 
     ctx = mp.get_context("spawn")  # fork after torch or zmq initialised is unsafe
+    if args.tp_size > 1 and not args.dist_init_addr:
+        args = dataclasses.replace(args, dist_init_addr=f"127.0.0.1:{_free_port()}")
     ipc_dir = ipc.private_ipc_dir()
     client, to_sched, from_sched = (ipc.endpoint(ipc_dir, n) for n in ("clients", "to-scheduler", "from-scheduler"))
-    pipes = {name: ctx.Pipe(duplex=False) for name in ("tokenizer", "scheduler")}
-    targets = {
-        "tokenizer": (run_tokenizer_process, (args, client, to_sched, from_sched, pipes["tokenizer"][1])),
-        "scheduler": (run_scheduler_process, (args, to_sched, from_sched, pipes["scheduler"][1])),
-    }
+    followers = [rank for rank in args.local_ranks if rank > 0]
+    names = (["tokenizer", "scheduler"] if args.node_rank == 0 else []) + [f"tp-rank-{r}" for r in followers]
+    pipes = {name: ctx.Pipe(duplex=False) for name in names}
+    targets = {f"tp-rank-{r}": (run_follower, (args, r, pipes[f"tp-rank-{r}"][1])) for r in followers}
+    if args.node_rank == 0:
+        targets["tokenizer"] = (run_tokenizer_process, (args, client, to_sched, from_sched, pipes["tokenizer"][1]))
+        targets["scheduler"] = (run_scheduler_process, (args, to_sched, from_sched, pipes["scheduler"][1]))
     procs = {}
     for name, (target, target_args) in targets.items():
         procs[name] = ctx.Process(target=target, args=target_args, name=f"radixlm-{name}", daemon=True)
@@ -66,7 +74,7 @@ def launch_processes(args: ServerArgs, start_timeout: float = 600.0) -> RuntimeP
     group = RuntimeProcesses(client, ipc_dir, procs)
     try:
         for name, (reader, _) in pipes.items():
-            report = _wait_ready(name, reader, procs[name], start_timeout)
+            report = _wait_ready(name, reader, procs[name], start_timeout, group)
             group.info.update({k: v for k, v in report.items() if k != "ok"})
     except BaseException:
         group.shutdown()
@@ -75,12 +83,20 @@ def launch_processes(args: ServerArgs, start_timeout: float = 600.0) -> RuntimeP
     return group
 
 
-def _wait_ready(name: str, reader: Any, proc: mp.process.BaseProcess, timeout: float) -> dict[str, Any]:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(name: str, reader: Any, proc: mp.process.BaseProcess, timeout: float,
+                group: RuntimeProcesses) -> dict[str, Any]:
     waited = 0.0
     while not reader.poll(1.0):
         waited += 1.0
-        if not proc.is_alive():
-            raise LaunchError(f"the {name} process died while starting (exit code {proc.exitcode})")
+        dead = group.dead_process()  # tensor-parallel ranks wait on each other: any death ends the start
+        if dead:
+            raise LaunchError(f"the {dead} while starting")
         if waited >= timeout:
             raise LaunchError(f"the {name} process did not start within {timeout:.0f}s")
     report = reader.recv()

@@ -23,11 +23,12 @@ class SchedulerProcess:
         from runtime.tokenizer.loader import load_tokenizer
         from runtime.worker.loader import resolve_model
         from runtime.worker.model_worker import ModelWorker
+        from runtime.worker.tp_worker import init_group
 
         source = resolve_model(args.model_path)
         tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source, args.tokenizer_path)
         decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else None
-        self.worker = ModelWorker(args, source)
+        self.worker = ModelWorker(args, source, tp=init_group(args, rank=0))
         grammar = None
         if tokenizer is not None:
             grammar = compiler_factory(tokenizer, self.worker.config.vocab_size, self.worker.config.eos_token_ids,

@@ -14,7 +14,7 @@ import uvicorn
 
 from runtime.args import ServerArgs
 from runtime.client import RuntimeClient
-from runtime.launch import launch_processes
+from runtime.launch import RuntimeProcesses, launch_processes
 from runtime.worker.loader import resolve_model
 from runtime.server.http_server import MAX_REQUEST_BYTES, ServerState, create_app
 
@@ -26,6 +26,8 @@ def serve(args: ServerArgs, host: str = "127.0.0.1", port: int = 30000, api_key:
     """Run until SIGINT/SIGTERM (exit 0) or until a runtime process dies (exit 1)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     group = launch_processes(args)
+    if args.node_rank > 0:
+        return _serve_ranks(args, group)
     try:
         model_name = args.served_model_name or resolve_model(args.model_path).name
         info = {**group.info, "client_address": group.client_address}  # for local clients that attach (ZeroMQ)
@@ -61,6 +63,24 @@ def serve(args: ServerArgs, host: str = "127.0.0.1", port: int = 30000, api_key:
         except KeyboardInterrupt:
             pass
         return 1 if state.dead else 0
+    finally:
+        group.shutdown()
+
+
+def _serve_ranks(args: ServerArgs, group: RuntimeProcesses) -> int:
+    """A node other than 0: its tensor-parallel ranks follow node 0's scheduler; no API here. Runs
+    until SIGINT/SIGTERM (exit 0) or until a rank stops, e.g. because node 0 went away (exit 1)."""
+    ranks = args.local_ranks
+    print(f"radixlm node {args.node_rank}: tensor-parallel ranks {ranks.start}-{ranks.stop - 1} joined "
+          f"{args.dist_init_addr}", flush=True)
+    signal.signal(signal.SIGTERM, _exit_quietly)
+    try:
+        while (dead := group.dead_process()) is None:
+            time.sleep(0.2)
+        log.error("runtime process died: %s; shutting down", dead)
+        return 1
+    except (KeyboardInterrupt, SystemExit):
+        return 0
     finally:
         group.shutdown()
 

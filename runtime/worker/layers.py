@@ -26,22 +26,26 @@ def _param(shape: Sequence[int], loader: Callable[..., None]) -> nn.Parameter:
 class MergedColumnLinear(nn.Module):
     """y = x W^T for several column blocks fused into one matmul (q/k/v, gate/up).
 
-    Each block's output is split across ranks; `shard` in the loader names the block.
+    Each block is (rows this rank holds, the first of them in the checkpoint's block): an even
+    share per rank, or a replicated KV head. `shard` in the loader names the block.
     """
 
-    def __init__(self, in_features: int, block_sizes: Sequence[int], bias: bool, tp: TPContext) -> None:
+    def __init__(self, in_features: int, blocks: Sequence[tuple[int, int]], bias: bool) -> None:
         super().__init__()
-        self.local_sizes = [size // tp.size for size in block_sizes]
-        self.tp = tp
-        out = sum(self.local_sizes)
+        self.blocks = list(blocks)
+        out = sum(size for size, _ in self.blocks)
         self.weight = _param((out, in_features), self._load)
         self.bias = _param((out,), self._load) if bias else None
 
+    @staticmethod
+    def even(tp: TPContext, sizes: Sequence[int]) -> list[tuple[int, int]]:
+        """Blocks split evenly across ranks."""
+        return [(end - start, start) for start, end in map(tp.shard, sizes)]
+
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
-        size = self.local_sizes[shard]
-        start = sum(self.local_sizes[:shard])
-        rows = loaded.narrow(0, self.tp.rank * size, size)
-        param.data[start : start + size].copy_(rows)
+        size, first = self.blocks[shard]
+        at = sum(s for s, _ in self.blocks[:shard])
+        param.data[at : at + size].copy_(loaded.narrow(0, first, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

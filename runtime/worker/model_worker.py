@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from runtime.args import ServerArgs
 from runtime.cache.kv_pool import KVPool, ReqToTokenTable
@@ -16,6 +17,7 @@ from runtime.worker.loader import ModelSource, iter_weights, load_config
 from runtime.worker.model_config import ModelConfig
 from runtime.worker.models.llama import ARCHITECTURES
 from runtime.worker.parallel import SINGLE, TPContext
+from runtime.worker.tp_worker import receive_batch, send_batch
 from runtime.constrained.grammar import apply_bitmask
 from runtime.worker.sampler import Sampler, SamplingBatch
 
@@ -57,9 +59,12 @@ class WorkerOutput:
     prompt_top_logprob_ids: list[list[int]] = field(default_factory=list)
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, tp: TPContext = SINGLE) -> torch.device:
+    """The device named (auto: CUDA when there is one); a tensor-parallel rank takes its own GPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and tp.size > 1:
+        return torch.device("cuda", torch.cuda.current_device())  # init_group chose it
     return torch.device(name)
 
 
@@ -77,7 +82,8 @@ class ModelWorker:
         """`model`: weights already loaded from `source` (tests and benchmarks share one copy
         between workers of different cache layouts); loaded from `source` when None."""
         self.args = args
-        self.device = pick_device(args.device)
+        self.tp = tp
+        self.device = pick_device(args.device, tp)
         self.dtype = pick_dtype(args.dtype, self.device)
         if args.num_threads > 0:
             torch.set_num_threads(args.num_threads)
@@ -86,8 +92,12 @@ class ModelWorker:
         self.context_length = min(self.config.context_length, args.context_length or 1 << 62)
         self.page_size = args.page_size or (16 if self.device.type == "cuda" else 1)
         self.num_pages = self._pool_pages()
+        if tp.size > 1:  # every rank's pool must have the same slots: the smallest wins
+            agreed = torch.tensor([self.num_pages], device=self.device)
+            dist.all_reduce(agreed, dist.ReduceOp.MIN, group=tp.group)
+            self.num_pages = int(agreed)
         cfg = self.config
-        self.kv_pool = KVPool(cfg.num_layers, self.num_pages * self.page_size, cfg.num_kv_heads // tp.size,
+        self.kv_pool = KVPool(cfg.num_layers, self.num_pages * self.page_size, tp.kv_heads(cfg.num_kv_heads)[0],
                               cfg.head_dim, self.dtype, self.device)
         self.req_to_token = ReqToTokenTable(args.max_running_requests + 1, self.context_length + 1, self.device)
         self.attn_backend = self._attention_backend()
@@ -146,14 +156,9 @@ class ModelWorker:
 
     @torch.inference_mode()
     def forward(self, b: WorkerBatch) -> WorkerOutput:
-        fb = ForwardBatch(
-            mode=b.mode, input_ids=b.input_ids, positions=b.positions, out_slots=b.out_slots,
-            req_rows=b.req_rows, prefix_lens=b.prefix_lens, extend_lens=b.extend_lens, seq_lens=b.seq_lens,
-            max_extend_len=b.max_extend_len, max_seq_len=b.max_seq_len, kv_pool=self.kv_pool,
-            req_to_token=self.req_to_token, attn_backend=self.attn_backend,
-        )
-        self.attn_backend.prepare(fb)
-        hidden = self.model(fb)
+        if self.tp.size > 1:
+            send_batch(b, self.req_to_token.table, self.tp)
+        hidden = self._hidden(b)
         out = WorkerOutput(next_token_ids=[])
         if b.prompt_rows is not None and b.prompt_rows.numel():
             self._prompt_logprobs(hidden[b.prompt_rows], b, out)
@@ -170,6 +175,28 @@ class ModelWorker:
                 out.top_logprobs = s.top_logprobs.tolist()
                 out.top_logprob_ids = s.top_logprob_ids.tolist()
         return out
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """Tensor-parallel ranks 1..N-1: run each step rank 0 sends, with the same collectives as
+        its `forward` (the logits gathers included); only rank 0 samples."""
+        while True:
+            b = receive_batch(self.req_to_token.table, self.tp)
+            hidden = self._hidden(b)
+            if b.prompt_rows.numel():
+                self.model.compute_logits(hidden[b.prompt_rows])
+            if b.sample_rows.numel():
+                self.model.compute_logits(hidden[b.sample_rows])
+
+    def _hidden(self, b: WorkerBatch) -> torch.Tensor:
+        fb = ForwardBatch(
+            mode=b.mode, input_ids=b.input_ids, positions=b.positions, out_slots=b.out_slots,
+            req_rows=b.req_rows, prefix_lens=b.prefix_lens, extend_lens=b.extend_lens, seq_lens=b.seq_lens,
+            max_extend_len=b.max_extend_len, max_seq_len=b.max_seq_len, kv_pool=self.kv_pool,
+            req_to_token=self.req_to_token, attn_backend=self.attn_backend,
+        )
+        self.attn_backend.prepare(fb)
+        return self.model(fb)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, b: WorkerBatch, out: WorkerOutput) -> None:
         logprobs = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)

@@ -21,6 +21,16 @@ class TPContext:
         per = n // self.size
         return self.rank * per, (self.rank + 1) * per
 
+    def kv_heads(self, n: int) -> tuple[int, int]:
+        """(how many, first) of the n KV heads this rank holds: an even share, or, with fewer KV
+        heads than ranks, one head that `size // n` neighbouring ranks replicate."""
+        if n >= self.size:
+            start, end = self.shard(n)
+            return end - start, start
+        if self.size % n:
+            raise ValueError(f"{n} KV heads cannot be replicated evenly over tensor-parallel size {self.size}")
+        return 1, self.rank // (self.size // n)
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
             dist.all_reduce(x, group=self.group)

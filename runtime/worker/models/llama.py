@@ -27,15 +27,17 @@ from runtime.worker.parallel import TPContext
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPContext) -> None:
         super().__init__()
-        if cfg.num_kv_heads % tp.size:
-            raise ValueError(f"num_key_value_heads={cfg.num_kv_heads} is not divisible by tp size {tp.size}")
+        if cfg.num_heads % tp.size:
+            raise ValueError(f"num_attention_heads={cfg.num_heads} is not divisible by tensor-parallel size {tp.size}")
         self.layer_id = layer_id
         self.num_heads = cfg.num_heads // tp.size
-        self.num_kv_heads = cfg.num_kv_heads // tp.size
-        self.head_dim = cfg.head_dim
+        self.num_kv_heads, first_kv = tp.kv_heads(cfg.num_kv_heads)
+        self.head_dim = d = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = MergedColumnLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.attention_bias, tp)
+        q_size = cfg.num_heads * d
+        kv = (self.num_kv_heads * d, first_kv * d)
+        self.qkv_proj = MergedColumnLinear(cfg.hidden_size, [*MergedColumnLinear.even(tp, [q_size]), kv, kv],
+                                           cfg.attention_bias)
         self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, tp)
         self.rotary = rotary
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -59,7 +61,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
+        self.gate_up_proj = MergedColumnLinear(cfg.hidden_size, MergedColumnLinear.even(tp, [cfg.intermediate_size] * 2),
+                                               False)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,99 @@
+"""Tensor parallelism over gloo on a CPU: greedy tokens equal HF (and so TP=1) for every TP size,
+prompt logprobs agree with TP=1, and a rank that dies takes the whole group down."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from conftest import NEW_TOKENS
+from oracle import assert_matches
+from runtime.engine import Engine
+
+GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0}
+
+
+def _assert_clean(engine: Engine) -> None:
+    acct = engine.check_accounting()
+    assert acct["ok"] and acct["idle"] and acct["locked_pages"] == 0, acct
+    assert acct["free_pages"] + acct["evictable_pages"] == acct["pool_pages"], acct
+
+
+# 4 query heads and 2 KV heads: TP=2 splits both; TP=4 replicates each KV head on two ranks
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_greedy_tokens_equal_hf_at_every_tp_size(tiny_llama, tp_size):
+    with Engine(tiny_llama.path, skip_tokenizer_init=True, tp_size=tp_size, max_total_tokens=8192, page_size=4,
+                chunked_prefill_size=24) as engine:
+        results = engine.generate(input_ids=tiny_llama.prompts, sampling_params=GREEDY)
+        for i, (res, ref) in enumerate(zip(results, tiny_llama.refs)):
+            assert_matches(res["output_ids"], ref, f"tp={tp_size} prompt {i}")
+        shared = engine.generate(input_ids=tiny_llama.shared_prompts, sampling_params=GREEDY)
+        assert sum(r["meta_info"]["cached_tokens"] for r in shared) >= 6 * 64  # the prefix cache works across ranks
+        for i, (res, ref) in enumerate(zip(shared, tiny_llama.shared_refs)):
+            assert_matches(res["output_ids"], ref, f"tp={tp_size} shared-prefix prompt {i}")
+        _assert_clean(engine)
+
+
+def test_prompt_logprobs_agree_with_tp1(tiny_llama):
+    prompt = tiny_llama.prompts[2]
+    kwargs = dict(input_ids=prompt, sampling_params={"max_new_tokens": 4, "temperature": 0}, return_logprob=True,
+                  logprob_start_len=0, top_logprobs_num=2)
+    single = tiny_llama.engine().generate(**kwargs)["meta_info"]
+    with Engine(tiny_llama.path, skip_tokenizer_init=True, tp_size=2, max_total_tokens=4096) as engine:
+        split = engine.generate(**kwargs)["meta_info"]
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        for (a, tok_a), (b, tok_b) in zip(single[key][1:], split[key][1:]):
+            assert tok_a == tok_b and abs(a - b) < 1e-4, (key, a, b)
+
+
+def _serve(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def test_two_nodes_over_loopback_equal_hf(tiny_llama):
+    """Two 'machines' on one: node 1 runs rank 1 and no API; node 0 the scheduler, rank 0 and the API."""
+    from server.conftest import LiveServer, free_port
+
+    addr = f"127.0.0.1:{free_port()}"
+    common = ["--model-path", tiny_llama.path, "--skip-tokenizer-init", "--tp-size", "2", "--nnodes", "2",
+              "--dist-init-addr", addr]
+    node1 = _serve(*common, "--node-rank", "1")
+    try:
+        node0 = LiveServer(*common, "--node-rank", "0")
+        try:
+            r = httpx.post(node0.url + "/generate", json={"input_ids": tiny_llama.prompts[:4], "sampling_params": GREEDY},
+                           timeout=120)
+            assert r.status_code == 200, r.text
+            for i, (res, ref) in enumerate(zip(r.json(), tiny_llama.refs)):
+                assert_matches(res["output_ids"], ref, f"two nodes, prompt {i}")
+        finally:
+            assert node0.stop() == 0
+        assert node1.wait(30) == 1  # its rank lost node 0: it stops, saying so
+        assert "radixlm node 1: tensor-parallel ranks 1-1" in node1.stdout.read()
+    finally:
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+
+
+def test_a_dead_rank_takes_the_server_down_with_a_named_error(tiny_llama):
+    from server.conftest import LiveServer
+
+    srv = LiveServer("--model-path", tiny_llama.path, "--skip-tokenizer-init", "--tp-size", "2")
+    (follower,) = [p for p in srv.descendant_pids() if open(f"/proc/{p}/comm").read().strip() == "radixlm-tp1"]
+    everyone = srv.descendant_pids()
+    os.kill(follower, signal.SIGKILL)
+    deadline = time.time() + 5
+    while srv.proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    assert srv.proc.poll() is not None, "the server outlived a dead rank by 5 s"
+    assert srv.stop() == 1, srv.output()
+    assert "tp-rank-1 process" in srv.output()
+    for pid in everyone:
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
