@@ -39,6 +39,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+from runtime.launch import free_port  # noqa: E402
 from runtime.server.launch_server import wait_until_serving  # noqa: E402
 
 SYSTEM_PROMPTS = [
@@ -221,11 +222,7 @@ def drained_accounting(url: str, timeout: float = 30) -> dict:
 
 class Server:
     def __init__(self, extra: list[str]) -> None:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(f"/tmp/radixlm-soak-{port}.log", "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--port", str(port), *extra],

@@ -88,6 +88,16 @@ class ServerArgs:
             kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
             parser.add_argument(flag, type=kind, default=f.default, help=help_text)
 
+    def to_cli_args(self) -> list[str]:
+        """The flags that give these options (those that differ from the defaults)."""
+        flags = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value != f.default:
+                flag = "--" + f.name.replace("_", "-")
+                flags += [flag] if value is True else [flag, str(value)]
+        return flags
+
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
         return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})

@@ -32,6 +32,16 @@ def main(argv: list[str] | None = None) -> int:
                      help="requests that may wait beyond --max-running-requests; more get 503 + Retry-After "
                           "(default: no limit)")
     ServerArgs.add_cli_args(srv)
+    from runtime.router.router import POLICIES
+
+    rt = sub.add_parser("router", help="one API over several replicas, each request sent where its prefix is cached")
+    rt.add_argument("--worker-urls", nargs="*", default=[], help="replicas already running (radixlm serve URLs)")
+    rt.add_argument("--dp-size", type=int, default=0,
+                    help="start this many replicas on this machine, with the runtime options given here")
+    rt.add_argument("--policy", choices=POLICIES, default="cache_aware")
+    rt.add_argument("--host", default="127.0.0.1")
+    rt.add_argument("--port", type=int, default=30000)
+    ServerArgs.add_cli_args(rt)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     from runtime import bench_serve
 
@@ -41,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         return bench_serve.main(ns)
     if ns.command == "generate":
         return _generate(ns)
+    if ns.command == "router":
+        if not ns.worker_urls and ns.dp_size < 1:
+            parser.error("give --worker-urls or --dp-size")
+        from runtime.router.launch import run_router
+
+        return run_router(ns.worker_urls, ns.dp_size, ServerArgs.from_cli_args(ns), ns.policy, ns.host, ns.port)
     if ns.command == "serve":
         if (ns.max_queued_requests or 0) < 0 or (ns.max_request_bytes is not None and ns.max_request_bytes < 1):
             parser.error("--max-queued-requests must be >= 0 and --max-request-bytes >= 1")

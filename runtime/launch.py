@@ -57,7 +57,7 @@ def launch_processes(args: ServerArgs, start_timeout: float = 600.0) -> RuntimeP
 
     ctx = mp.get_context("spawn")  # fork after torch or zmq initialised is unsafe
     if args.tp_size > 1 and not args.dist_init_addr:
-        args = dataclasses.replace(args, dist_init_addr=f"127.0.0.1:{_free_port()}")
+        args = dataclasses.replace(args, dist_init_addr=f"127.0.0.1:{free_port()}")
     ipc_dir = ipc.private_ipc_dir()
     client, to_sched, from_sched = (ipc.endpoint(ipc_dir, n) for n in ("clients", "to-scheduler", "from-scheduler"))
     followers = [rank for rank in args.local_ranks if rank > 0]
@@ -83,7 +83,8 @@ def launch_processes(args: ServerArgs, start_timeout: float = 600.0) -> RuntimeP
     return group
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now (for a server or a rendezvous about to bind it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -1,8 +1,9 @@
 """Building blocks of the decoder, written tensor-parallel: at tp size 1 they are plain layers.
 
-Every parameter carries a `weight_loader(param, loaded, shard)` that copies this
-rank's slice of a full checkpoint tensor into it, so the model's loader needs
-no knowledge of the parallel layout.
+Every parameter carries a `weight_loader(param, loaded, shard)` that reads this
+rank's slice of a checkpoint tensor (a loader.Weight: only those rows or
+columns are read) into it, so the model's loader needs no knowledge of the
+parallel layout.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.worker.loader import Weight
 from runtime.worker.parallel import TPContext
 
 
@@ -42,10 +44,10 @@ class MergedColumnLinear(nn.Module):
         """Blocks split evenly across ranks."""
         return [(end - start, start) for start, end in map(tp.shard, sizes)]
 
-    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+    def _load(self, param: nn.Parameter, loaded: Weight, shard: int = 0) -> None:
         size, first = self.blocks[shard]
         at = sum(s for s, _ in self.blocks[:shard])
-        param.data[at : at + size].copy_(loaded.narrow(0, first, size))
+        param.data[at : at + size].copy_(loaded.rows(first, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -59,9 +61,8 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.weight = _param((out_features, in_features // tp.size), self._load)
 
-    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
-        start, end = self.tp.shard(loaded.shape[1])
-        param.data.copy_(loaded[:, start:end])
+    def _load(self, param: nn.Parameter, loaded: Weight, shard: int = 0) -> None:
+        param.data.copy_(loaded.cols(*self.tp.shard(loaded.shape[1])))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(F.linear(x, self.weight))
@@ -78,8 +79,8 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp.rank * self.per_rank
         self.weight = _param((self.per_rank, dim), self._load)
 
-    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
-        rows = loaded[self.start : self.start + self.per_rank]
+    def _load(self, param: nn.Parameter, loaded: Weight, shard: int = 0) -> None:
+        rows = loaded.rows(self.start, self.per_rank)  # the last rank's share may run past the vocabulary
         param.data.zero_()
         param.data[: rows.shape[0]].copy_(rows)
 
@@ -112,8 +113,8 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def _copy_loader(param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
-    param.data.copy_(loaded)
+def _copy_loader(param: nn.Parameter, loaded: Weight, shard: int = 0) -> None:
+    param.data.copy_(loaded.full())
 
 
 class RotaryEmbedding(nn.Module):

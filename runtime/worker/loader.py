@@ -13,7 +13,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -68,15 +68,39 @@ def load_config(src: ModelSource) -> ModelConfig:
         return ModelConfig.from_hf(json.load(f))
 
 
-def iter_weights(src: ModelSource, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF parameter name, tensor) pairs; dtype is whatever the file holds (GGUF: float32)."""
+class Weight:
+    """A checkpoint tensor that is read only as far as asked: a tensor-parallel rank takes its rows
+    or columns (from safetensors, only those bytes leave the file), everyone else the whole."""
+
+    def __init__(self, source: Any, shape: Sequence[int], dtype: torch.dtype | None = None) -> None:
+        self._source, self.shape, self.dtype = source, tuple(shape), dtype  # source: a tensor or a safetensors slice
+
+    def to(self, dtype: torch.dtype) -> Weight:
+        return Weight(self._source, self.shape, dtype)
+
+    def rows(self, start: int, count: int) -> torch.Tensor:
+        return self._read(self._source[start : start + count])
+
+    def cols(self, start: int, end: int) -> torch.Tensor:
+        return self._read(self._source[:, start:end])
+
+    def full(self) -> torch.Tensor:
+        return self._read(self._source[:])
+
+    def _read(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.dtype is None else t.to(self.dtype)
+
+
+def iter_weights(src: ModelSource, config: ModelConfig) -> Iterator[tuple[str, Weight]]:
+    """Yield (HF parameter name, Weight) pairs; dtype is whatever the file holds (GGUF: float32)."""
     if src.is_gguf:
-        yield from _iter_gguf(src.path, config)
+        for name, tensor in _iter_gguf(src.path, config):
+            yield name, Weight(tensor, tensor.shape)
     else:
         yield from _iter_safetensors(src.path)
 
 
-def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(path: str) -> Iterator[tuple[str, Weight]]:
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -85,7 +109,8 @@ def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                part = f.get_slice(name)
+                yield name, Weight(part, part.get_shape())
 
 
 # ---- GGUF -------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from conftest import NEW_TOKENS
 from oracle import assert_matches
@@ -97,3 +98,29 @@ def test_a_dead_rank_takes_the_server_down_with_a_named_error(tiny_llama):
     assert "tp-rank-1 process" in srv.output()
     for pid in everyone:
         assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+
+
+def test_a_rank_reads_only_its_shards(tiny_llama, monkeypatch):
+    from runtime.worker import loader
+    from runtime.worker.models.llama import ARCHITECTURES
+    from runtime.worker.parallel import TPContext
+
+    src = loader.resolve_model(tiny_llama.path)
+    cfg = loader.load_config(src)
+    whole = ARCHITECTURES[cfg.architecture](cfg, TPContext())
+    whole.load_weights(loader.iter_weights(src, cfg))
+    total = sum(p.numel() for p in whole.parameters())
+    read: list[int] = []
+    original = loader.Weight._read
+    monkeypatch.setattr(loader.Weight, "_read", lambda self, t: (read.append(t.numel()), original(self, t))[1])
+    rank1 = ARCHITECTURES[cfg.architecture](cfg, TPContext(rank=1, size=2))  # loading needs no process group
+    rank1.load_weights(loader.iter_weights(src, cfg))
+    assert sum(read) < 0.55 * total, (sum(read), total)  # half of every matrix, the (tiny) norms whole
+    down, down1 = whole.layers[0].mlp.down_proj.weight, rank1.layers[0].mlp.down_proj.weight
+    assert torch.equal(down1, down[:, down.shape[1] // 2 :])
+    q_rows = cfg.num_heads * cfg.head_dim // 2
+    qkv, qkv1 = whole.layers[1].self_attn.qkv_proj.weight, rank1.layers[1].self_attn.qkv_proj.weight
+    assert torch.equal(qkv1[:q_rows], qkv[q_rows : 2 * q_rows])  # rank 1's query heads
+    kv_rows = cfg.num_kv_heads * cfg.head_dim
+    assert torch.equal(qkv1[q_rows:], torch.cat([qkv[2 * q_rows + kv_rows // 2 : 2 * q_rows + kv_rows],
+                                                 qkv[2 * q_rows + kv_rows + kv_rows // 2 :]]))  # its K and V heads

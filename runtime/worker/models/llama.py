@@ -21,6 +21,7 @@ from runtime.worker.layers import (
     VocabParallelEmbedding,
 )
 from runtime.worker.model_config import ModelConfig
+from runtime.worker.loader import Weight
 from runtime.worker.parallel import TPContext
 
 
@@ -116,7 +117,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         params = dict(self.named_parameters())
         seen: set[str] = set()
         for name, tensor in weights:
