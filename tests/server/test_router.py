@@ -83,6 +83,11 @@ def test_answers_equal_a_replicas_own_and_streams_pass_through(replicas, tiny_ll
         with httpx.stream("POST", url + "/generate", json={**body, "stream": True}, timeout=60) as r:
             lines = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert lines[-1] == "data: [DONE]" and len(lines) > 2
+        completion = httpx.post(url + "/v1/completions", json={
+            "model": "default", "prompt": tiny_llama.prompts[0], "max_tokens": 8, "temperature": 0}, timeout=60)
+        assert completion.status_code == 200, completion.text  # the OpenAI API passes through too
+        assert completion.json()["usage"]["completion_tokens"] == 8
+        assert httpx.get(url + "/v1/models", timeout=10).json()["data"]
         bad = httpx.post(url + "/generate", content=b"{not json", timeout=30)
         assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
     finally:
