@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     rt.add_argument("--policy", choices=POLICIES, default="cache_aware")
     rt.add_argument("--host", default="127.0.0.1")
     rt.add_argument("--port", type=int, default=30000)
+    rt.add_argument("--api-key", default=os.environ.get("RADIXLM_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on every router endpoint but /health "
+                         "(default: $RADIXLM_API_KEY); replicas it starts get no key: they listen on 127.0.0.1")
     ServerArgs.add_cli_args(rt)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     from runtime import bench_serve
@@ -56,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("give --worker-urls or --dp-size")
         from runtime.router.launch import run_router
 
-        return run_router(ns.worker_urls, ns.dp_size, ServerArgs.from_cli_args(ns), ns.policy, ns.host, ns.port)
+        return run_router(ns.worker_urls, ns.dp_size, ServerArgs.from_cli_args(ns), ns.policy, ns.host, ns.port,
+                          ns.api_key)
     if ns.command == "serve":
         if (ns.max_queued_requests or 0) < 0 or (ns.max_request_bytes is not None and ns.max_request_bytes < 1):
             parser.error("--max-queued-requests must be >= 0 and --max-request-bytes >= 1")

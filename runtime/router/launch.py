@@ -16,7 +16,8 @@ from runtime.server.launch_server import wait_until_serving
 log = logging.getLogger("radixlm.router")
 
 
-def run_router(urls: list[str], dp_size: int, args: ServerArgs, policy: str, host: str, port: int) -> int:
+def run_router(urls: list[str], dp_size: int, args: ServerArgs, policy: str, host: str, port: int,
+               api_key: str | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     replicas = [start_replica(args) for _ in range(dp_size)]
     try:
@@ -24,7 +25,7 @@ def run_router(urls: list[str], dp_size: int, args: ServerArgs, policy: str, hos
             wait_until_serving(url, proc)
         router = Router(list(urls) + [url for url, _ in replicas], policy)
         print(f"radixlm router on http://{host}:{port} over {len(router.replicas)} replicas ({policy})", flush=True)
-        uvicorn.run(create_router_app(router), host=host, port=port, log_level="warning")
+        uvicorn.run(create_router_app(router, api_key), host=host, port=port, log_level="warning")
         return 0
     finally:
         for _, proc in replicas:

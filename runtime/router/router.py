@@ -27,7 +27,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from runtime.router.prefix_tree import PrefixTree
-from runtime.server.http_server import HTTPError, error_response, json_body, run_until_done
+from runtime.server.http_server import (
+    MAX_REQUEST_BYTES, Guard, HTTPError, error_response, json_body, run_until_done,
+)
 
 log = logging.getLogger("radixlm.router")
 POLICIES = ("cache_aware", "round_robin")
@@ -104,8 +106,10 @@ def routing_key(path: str, body: dict[str, Any]) -> str:
     return prompt if isinstance(prompt, str) else ""
 
 
-def create_router_app(router: Router) -> FastAPI:
+def create_router_app(router: Router, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+    """The router's app; `api_key` and `max_request_bytes` guard it as they guard `radixlm serve`."""
     app = FastAPI(title="radixlm router", version="0.1.0")
+    app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes)
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
                                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
 

@@ -47,3 +47,15 @@ def test_cache_aware_picks_the_replica_holding_the_prefix_unless_load_is_lopside
 def test_round_robin_alternates():
     router = Router(["http://a", "http://b"], policy="round_robin")
     assert [router.pick("same").url for _ in range(4)] == ["http://a", "http://b"] * 2
+
+
+def test_the_router_takes_the_servers_api_key_and_body_limit():
+    from fastapi.testclient import TestClient
+
+    from runtime.router.router import create_router_app
+
+    client = TestClient(create_router_app(Router(["http://127.0.0.1:9"]), api_key="k", max_request_bytes=100))
+    assert client.post("/generate", json={"text": "hi"}).status_code == 401
+    authed = {"Authorization": "Bearer k"}
+    assert client.post("/generate", content=b"x" * 200, headers=authed).status_code == 413
+    assert client.get("/get_server_info", headers=authed).json()["policy"] == "cache_aware"
