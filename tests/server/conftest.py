@@ -15,6 +15,23 @@ from runtime.launch import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def all_gone(pids, timeout=10.0) -> bool:
+    """Whether every process in `pids` has exited within `timeout` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.2)
+    return False
+
+
 class LiveServer:
     def __init__(self, *extra: str, launcher: tuple[str, ...] = ("-m", "runtime.cli"), port: int | None = None) -> None:
         """`launcher`: what python runs, given the `serve ...` arguments (a test double can stand in)."""

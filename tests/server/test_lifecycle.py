@@ -10,23 +10,7 @@ import time
 import httpx
 import pytest
 
-from server.conftest import LiveServer, assert_kv_clean
-
-
-def _gone(pids, timeout=10.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        alive = []
-        for pid in pids:
-            try:
-                os.kill(pid, 0)
-                alive.append(pid)
-            except ProcessLookupError:
-                pass
-        if not alive:
-            return True
-        time.sleep(0.2)
-    return False
+from server.conftest import LiveServer, all_gone, assert_kv_clean
 
 
 def _name(pid: int) -> str:
@@ -42,7 +26,7 @@ def test_sigterm_stops_everything_and_removes_sockets():
     started = time.time()
     assert srv.stop(signal.SIGTERM) == 0, srv.output()
     assert time.time() - started < 15
-    assert _gone(children), "child processes outlived the server"
+    assert all_gone(children), "child processes outlived the server"
     after = {d for d in os.listdir("/tmp") if d.startswith("radixlm-") and os.path.isdir(f"/tmp/{d}")}
     assert not (after - before) and len(before - after) <= 1
 
@@ -70,7 +54,7 @@ def test_kill_9_of_a_runtime_process_stops_the_server_and_a_restart_works(victim
     code = srv.stop()
     out = srv.output()
     assert code == 1 and "runtime process died" in out and f"{victim} process" in out, out
-    assert _gone(everyone), "processes outlived the server"
+    assert all_gone(everyone), "processes outlived the server"
     again = LiveServer("--skip-tokenizer-init", port=srv.port)  # the port is free again
     try:
         r = httpx.post(again.url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}},
