@@ -62,6 +62,7 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="radixlm-grammar")
         self._local = threading.local()  # each pool thread's child process
         self._children: list[subprocess.Popen] = []
+        self._children_lock = threading.Lock()
         # the children go when the compiler does, even when no one calls shutdown
         self.shutdown = weakref.finalize(self, _stop, self._pool, self._children)
         self._cache: OrderedDict[ConstraintKey, Grammar] = OrderedDict()
@@ -93,7 +94,8 @@ class GrammarCompiler:
         child = getattr(self._local, "child", None)
         if child is None or child.poll() is not None:
             child = self._local.child = compile_worker.spawn()
-            self._children.append(child)
+            with self._children_lock:  # the exited ones go, so the list stays as long as the pool
+                self._children[:] = [c for c in self._children if c.poll() is None] + [child]
             compile_worker.write_message(child.stdin, self.vocabulary)
         return child
 

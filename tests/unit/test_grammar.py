@@ -68,6 +68,8 @@ def test_an_exploding_regex_times_out_and_the_compiler_recovers():
         (stuck,) = c._children
         assert stuck.returncode is not None  # killed, not left burning a core
         assert not isinstance(_wait(c, ("regex", "ab")), GrammarError)  # a fresh child takes over
+        (fresh,) = c._children  # the killed one is forgotten
+        assert fresh is not stuck and fresh.poll() is None
     finally:
         c.shutdown()
     assert all(child.poll() is not None for child in c._children)
