@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="requests that may wait beyond --max-running-requests; more get 503 + Retry-After "
                           "(default: no limit)")
     ServerArgs.add_cli_args(srv)
-    from runtime.router.router import POLICIES
+    from runtime.router import POLICIES
 
     rt = sub.add_parser("router", help="one API over several replicas, each request sent where its prefix is cached")
     rt.add_argument("--worker-urls", nargs="*", default=[], help="replicas already running (radixlm serve URLs)")
