@@ -137,21 +137,22 @@ def roofline_rows(quick: bool) -> tuple[list[str], list[str]]:
                f"| fp32 matmul ({size}²) | {flops / 1e9:.0f} GFLOP/s |"]
     from runtime.local_engine import LocalEngine
 
-    engine = LocalEngine(max_total_tokens=8192)
+    engine = LocalEngine(max_total_tokens=8192, disable_radix_cache=True)  # every run prefills alike
     params = sum(p.numel() for p in engine.worker.model.parameters())
     weight_bytes = params * 4
     rows = []
     new = 8 if quick else 32
     for batch in ([1, 8] if quick else [1, 8, 32]):
 
-        def run(tokens: int, first: int) -> float:
-            ids = [[first + i] * 64 for i in range(batch)]
+        def run(tokens: int) -> float:
+            ids = [[100 + i] * 64 for i in range(batch)]
             params = {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 0}
-            return timed(lambda: engine.generate(input_ids=ids, sampling_params=params))
+            return min(timed(lambda: engine.generate(input_ids=ids, sampling_params=params)) for _ in range(3))
 
-        run(2, 100)  # warm up
-        # decode steps alone: a run of `new` tokens less a prefill-only run of fresh prompts
-        step = (run(new, 1000) - run(1, 2000)) / (new - 1)
+        run(2)  # warm up
+        # decode steps alone: a run of `new` tokens less a prefill-only run (each the best of 3: a
+        # difference of two timings is at the mercy of the machine's other load)
+        step = (run(new) - run(1)) / (new - 1)
         floor = max(weight_bytes / bandwidth, 2 * params * batch / flops)
         rows.append(f"| {batch} | {step * 1e3:.1f} | {floor * 1e3:.1f} | {step / floor:.2f}x |")
     return machine, rows
