@@ -15,7 +15,7 @@ from runtime.messages import GenerateRequest, TokenizedRequest, TokenOutput
 from runtime.native import GenerateAPI
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler.scheduler import Scheduler
-from runtime.tokenizer.loader import load_tokenizer
+from runtime.tokenizer.loader import chat_prompt, load_tokenizer
 from runtime.worker.loader import resolve_model
 from runtime.worker.model_worker import ModelWorker
 
@@ -41,8 +41,8 @@ class LocalEngine(GenerateAPI):
     def _decode_plain(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        return chat_prompt(self.tokenizer, messages, tools)
 
     def _run_requests(self, reqs: list[GenerateRequest]) -> list[dict[str, Any]]:
         return self.run([self._tokenized(r) for r in reqs])
@@ -53,7 +53,7 @@ class LocalEngine(GenerateAPI):
         elif self.tokenizer is None:
             raise ValueError("this engine has no tokenizer (skip_tokenizer_init): give input_ids")
         else:
-            text = req.text if req.text is not None else self.apply_chat_template(req.messages)
+            text = req.text if req.text is not None else self.apply_chat_template(req.messages, req.tools)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         params = SamplingParams.from_dict(req.sampling_params)
         return TokenizedRequest(req.rid, list(ids), params, req.return_logprob, req.logprob_start_len,

@@ -23,6 +23,7 @@ class GenerateRequest:
     text: str | None = None
     input_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None  # applied with the model's chat template
+    tools: list[dict[str, Any]] | None = None  # with messages: the functions the model may call
     sampling_params: dict[str, Any] = field(default_factory=dict)
     return_logprob: bool = False
     logprob_start_len: int = -1

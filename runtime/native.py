@@ -19,7 +19,7 @@ class BadRequest(ValueError):
 
 
 NATIVE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
-                 "top_logprobs_num", "return_text_in_logprobs", "rid", "messages"}
+                 "top_logprobs_num", "return_text_in_logprobs", "rid", "messages", "tools"}
 
 
 _INT, _NUM, _BOOL, _STR = {"type": "integer"}, {"type": "number"}, {"type": "boolean"}, {"type": "string"}
@@ -47,6 +47,7 @@ GENERATE_BODY_SCHEMA = {
         "text": {"anyOf": [_STR, {"type": "array", "items": _STR}]},
         "input_ids": {"anyOf": [_TOKENS, {"type": "array", "items": _TOKENS}]},
         "messages": {"type": "array", "items": {"type": "object"}},
+        "tools": {"type": "array", "items": {"type": "object"}},  # OpenAI's shape, shown by the chat template
         "sampling_params": {"anyOf": [SAMPLING_PARAMS_SCHEMA, {"type": "array", "items": SAMPLING_PARAMS_SCHEMA}]},
         **dict.fromkeys(("stream", "return_logprob", "return_text_in_logprobs"), _BOOL),
         **dict.fromkeys(("logprob_start_len", "top_logprobs_num"), _INT),
@@ -65,6 +66,11 @@ def native_requests(body: dict[str, Any]) -> tuple[list[GenerateRequest], bool]:
     text, ids, chat = body.get("text"), body.get("input_ids"), body.get("messages")
     if sum(x is not None for x in (text, ids, chat)) != 1:
         raise BadRequest("give exactly one of 'text', 'input_ids' or 'messages'")
+    tools = body.get("tools")
+    if tools is not None and (chat is None or not isinstance(tools, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+            for t in tools)):
+        raise BadRequest("'tools' goes with 'messages': a list of {\"type\": \"function\", \"function\": {\"name\", ...}}")
     if chat is not None:  # one chat conversation
         text, single, prompts = None, True, [chat]
     else:
@@ -92,6 +98,7 @@ def native_requests(body: dict[str, Any]) -> tuple[list[GenerateRequest], bool]:
                 text=prompt if isinstance(prompt, str) else None,
                 input_ids=prompt if ids is not None else None,
                 messages=prompt if chat is not None else None,
+                tools=tools,
                 sampling_params={k: v for k, v in p.items() if k != "n"},
                 return_logprob=bool(body.get("return_logprob", False)),
                 logprob_start_len=_int(body, "logprob_start_len", -1),

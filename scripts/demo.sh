@@ -19,5 +19,7 @@ curl -s "http://127.0.0.1:$PORT/generate" -H 'Content-Type: application/json' \
 echo
 echo "--- OpenAI API (examples/openai_chat.py):"
 "${PYTHON:-python3}" examples/openai_chat.py "http://127.0.0.1:$PORT/v1"
+echo "--- tool calling over the OpenAI API (examples/openai_tools.py):"
+"${PYTHON:-python3}" examples/openai_tools.py "http://127.0.0.1:$PORT/v1"
 echo "--- a program in the language (examples/multi_turn_agent.py):"
 "${PYTHON:-python3}" examples/multi_turn_agent.py --url "http://127.0.0.1:$PORT"

@@ -52,17 +52,19 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         del body["text"]  # the tokenizer process renders the messages with the model's template
         body["messages"] = messages
         body["return_text_in_logprobs"] = bool(req.logprobs)
-        return await _run(request, state, body, req, chat=True, build=lambda results, rid: oa.chat_response(
-            results, state.model_name, rid, bool(req.logprobs), req.top_logprobs or 0, _decoder(results)))
+        tools = oa.ToolReader.of(req)
+        return await _run(request, state, body, req, chat=True, tools=tools, build=lambda results, rid: oa.chat_response(
+            results, state.model_name, rid, bool(req.logprobs), req.top_logprobs or 0, _decoder(results), tools))
 
 
 async def _run(request: Request, state: ServerState, body: dict[str, Any], req: Any, chat: bool,
-               build: Callable[[list[dict[str, Any]], str], dict[str, Any]]) -> Response:
+               build: Callable[[list[dict[str, Any]], str], dict[str, Any]],
+               tools: oa.ToolReader | None = None) -> Response:
     """Run a converted request: stream chunks, or wait for every result and `build` the answer."""
     reqs, _ = native_requests(body)
     rid = oa.new_request_id()
     if req.stream:
-        return await sse_response(_stream(state, reqs, req, rid, chat))
+        return await sse_response(_stream(state, reqs, req, rid, chat, tools))
     outs = await run_until_done(request, gather_outputs(state.client, reqs))
     results = [native_result(o) for o in outs]
     try:
@@ -109,11 +111,13 @@ def _decoder(results: list[dict[str, Any]]) -> Callable[[int], str]:
     return lambda token_id: texts.get(token_id, "")
 
 
-async def _stream(state: ServerState, reqs: list[GenerateRequest], req: Any, rid: str, chat: bool) -> AsyncIterator[bytes]:
+async def _stream(state: ServerState, reqs: list[GenerateRequest], req: Any, rid: str, chat: bool,
+                  tools: oa.ToolReader | None) -> AsyncIterator[bytes]:
     created = int(time.time())
     model = state.model_name
     finals: dict[int, dict[str, Any]] = {}
     started: set[int] = set()
+    tool_streams: dict[int, oa.ToolStream] = {}
     async for index, out in merge_streams(state.client, reqs):
         result = native_result(out)
         try:
@@ -122,23 +126,28 @@ async def _stream(state: ServerState, reqs: list[GenerateRequest], req: Any, rid
             raise HTTPError(f"the request was aborted: {e}", 500) from None
         if out.finished:
             finals[index] = result
-        yield sse(_chunk(result, req, rid, model, created, index, finish, chat, first=index not in started))
-        started.add(index)
+        if not chat:
+            lp = oa.completion_logprobs(result["meta_info"], _decoder([result])) if req.logprobs is not None else None
+            yield sse(oa.completion_chunk(rid, model, created, index, result["text"], finish, lp))
+            continue
+        lp = oa.chat_logprobs(result["meta_info"], req.top_logprobs or 0, _decoder([result])) if req.logprobs else None
+        if tools is None:
+            deltas = [{"content": result["text"]}]
+        else:
+            stream = tool_streams.setdefault(index, tools.stream())
+            deltas = stream.feed(result["text"]) + (stream.finish() if out.finished else [])
+            if finish is not None and stream.called:
+                finish = tools.finish_reason(finish)
+        if not deltas and (finish is not None or lp is not None):
+            deltas = [{}]  # still a chunk: it carries the finish reason or the logprobs
+        for i, delta in enumerate(deltas):
+            if index not in started:
+                delta = {"role": "assistant", **delta}
+                started.add(index)
+            last = i == len(deltas) - 1
+            yield sse(oa.chat_chunk(rid, model, created, index, delta, finish if last else None,
+                                    lp if i == 0 else None))
     if req.include_usage:
         ordered = [finals[i] for i in sorted(finals)]
         yield sse(oa.usage_chunk(rid, model, created, oa.aggregate_usage(ordered, req.n), chat=chat))
     yield b"data: [DONE]\n\n"
-
-
-def _chunk(result: dict[str, Any], req: Any, rid: str, model: str, created: int, index: int,
-           finish: str | None, chat: bool, first: bool) -> dict[str, Any]:
-    decode = _decoder([result])
-    if chat:
-        delta = {"role": "assistant", "content": result["text"]} if first else {"content": result["text"]}
-        lp = oa.chat_logprobs(result["meta_info"], req.top_logprobs or 0, decode) if req.logprobs else None
-        return oa.chat_chunk(rid, model, created, index, delta, finish, lp)
-    lp = oa.completion_logprobs(result["meta_info"], decode) if req.logprobs is not None else None
-    return oa.completion_chunk(rid, model, created, index, result["text"], finish, lp)
-
-
-

@@ -25,13 +25,17 @@ import json
 import math
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Annotated, Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
+from runtime import tool_calls
+
 MAX_N = 16  # choices per prompt; each one is a full sequence in the batch
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
 MAX_CHAT_TOP_LOGPROBS = 20  # the chat API's limit
+MAX_TOOLS = 128  # OpenAI's limit on tools per request
 # OpenAI's stand-in for a logprob too small to print; JSON has no -Infinity.
 MIN_LOGPROB = -9999.0
 
@@ -46,10 +50,9 @@ class RequestAborted(RuntimeError):
 # ---------------------------------------------------------------- requests
 
 
-# OpenAI request fields that have no effect on a local model server (bookkeeping, billing,
-# tool-call parallelism): accepted so that clients sending them work, and ignored.
-ACCEPTED_NO_EFFECT = frozenset({"store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-                                "safety_identifier"})
+# OpenAI request fields that have no effect on a local model server (bookkeeping, billing):
+# accepted so that clients sending them work, and ignored.
+ACCEPTED_NO_EFFECT = frozenset({"store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"})
 
 
 class StreamOptions(BaseModel):
@@ -167,11 +170,54 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class MessageToolCall(BaseModel):
+    """A call the assistant made earlier in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this answers
+
+    @model_validator(mode="after")
+    def _tool_turns_answer_a_call(self) -> ChatMessage:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id, the id of the call it answers")
+        return self
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: ToolName
 
 
 class JsonSchemaFormat(BaseModel):
@@ -203,12 +249,41 @@ class ChatCompletionRequest(_OpenAIRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return self
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: function names must be distinct")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools {names}")
+        if self.tool_mode in ("required", "named"):
+            formats = [k for k in ("regex", "json_schema") if getattr(self, k) is not None]
+            if self.response_format is not None and self.response_format.type != "text":
+                formats.append("response_format")
+            if formats:
+                raise ValueError(f"a forced tool call fixes the output's form; it cannot be combined with "
+                                 f"{' or '.join(formats)}")
+        return self
+
+    @property
+    def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
+        """How tools shape the output: OpenAI's default is "auto" with tools, else "none"."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
 
     @property
     def output_limit(self) -> int | None:
@@ -247,9 +322,16 @@ def chat_to_generate(req: ChatCompletionRequest, prompt_text: str) -> dict[str, 
     """
     params = _sampling_params(req, req.output_limit)
     schema = _response_schema(req.response_format)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
+    if req.tool_mode == "required":
+        schema = tool_calls.required_schema(tools, req.parallel_tool_calls)
+    elif req.tool_mode == "named":
+        schema = tool_calls.named_schema(next(t for t in tools if t["function"]["name"] == req.tool_choice.function.name))
     if schema is not None:
         params["json_schema"] = schema
     body: dict[str, Any] = {"text": prompt_text, "sampling_params": params, "stream": req.stream}
+    if tools:
+        body["tools"] = tools  # the chat template shows them to the model
     if req.logprobs:
         body["return_logprob"] = True
         body["top_logprobs_num"] = req.top_logprobs or 0
@@ -261,11 +343,13 @@ _TEMPLATE_ROLE = {"developer": "system"}
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """Messages as a chat template expects them: role and plain-text content.
+    """Messages as a chat template expects them: role and plain-text content, and the tool calls
+    (arguments as objects) and the ids of the calls that tool turns answer.
 
     Text parts are joined with newlines; ``developer`` becomes ``system``
     since templates predate it. Raises ``ValueError`` naming any non-text
-    part, which this text-only runtime cannot feed to the model.
+    part, which this text-only runtime cannot feed to the model, or a past
+    call whose arguments are not a JSON object.
     """
     out = []
     for i, msg in enumerate(req.messages):
@@ -275,8 +359,25 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         }
         if msg.name is not None:
             entry["name"] = msg.name
+        if msg.tool_call_id is not None:
+            entry["tool_call_id"] = msg.tool_call_id
+        if msg.tool_calls:
+            entry["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(f"messages[{i}].tool_calls[{j}]", c.function.arguments)}}
+                for j, c in enumerate(msg.tool_calls)]
         out.append(entry)
     return out
+
+
+def _arguments(where: str, text: str) -> dict[str, Any]:
+    """A past call's arguments as the object chat templates expect."""
+    try:
+        args = json.loads(text)
+    except json.JSONDecodeError:
+        args = None
+    if not isinstance(args, dict):
+        raise ValueError(f"{where}.function.arguments must be a JSON object (as text); got {text[:80]!r}")
+    return args
 
 
 def _message_text(index: int, content: str | list[TextPart] | None) -> str:
@@ -327,6 +428,80 @@ def _response_schema(fmt: ResponseFormat | None) -> str | None:
         return json.dumps({"type": "object"})
     # A json_schema without a schema body still promises JSON: any object.
     return json.dumps(fmt.json_schema.schema_ or {"type": "object"})
+
+
+# ---------------------------------------------------------------- tool calls
+
+
+@dataclass
+class ToolReader:
+    """Reads a chat choice's tool calls, by the request's ``tool_choice`` (see runtime/tool_calls.py)."""
+
+    mode: Literal["auto", "required", "named"]
+    names: set[str]
+    parallel: bool
+    function: str | None = None  # the named one
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest) -> ToolReader | None:
+        mode = req.tool_mode
+        if mode == "none":
+            return None
+        named = req.tool_choice.function.name if mode == "named" else None
+        return cls(mode, {t.function.name for t in req.tools or ()}, req.parallel_tool_calls, named)
+
+    def read(self, text: str) -> tuple[str | None, list[tool_calls.ToolCall]]:
+        """(content, calls) of a whole choice."""
+        if self.mode == "named":  # the text is the arguments (cut short if the length limit struck)
+            return None, [tool_calls.ToolCall(self.function, text)]
+        if self.mode == "required":
+            calls = tool_calls.parse_required(text)
+            return (None, calls) if calls is not None else (text, [])
+        return tool_calls.parse_auto(text, self.names, self.parallel)
+
+    def finish_reason(self, finish: str) -> str:
+        """OpenAI says "tool_calls" when the model chose to call, and "stop" when the call was forced by name."""
+        return "tool_calls" if finish == "stop" and self.mode != "named" else finish
+
+    def stream(self) -> ToolStream:
+        return ToolStream(self)
+
+
+class ToolStream:
+    """One streamed choice's deltas: content as it can be sent, calls as OpenAI streams them."""
+
+    def __init__(self, reader: ToolReader) -> None:
+        self.reader = reader
+        self.auto = tool_calls.AutoStream(reader.names, reader.parallel) if reader.mode == "auto" else None
+        self.held = ""  # a required choice's text, read at the end
+        self.named_call: tool_calls.ToolCall | None = None
+        self.called = False
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        if self.auto is not None:
+            content = self.auto.feed(text)
+            return [{"content": content}] if content else []
+        if self.reader.mode == "required":
+            self.held += text
+            return []
+        if self.named_call is None:  # the first delta names the function; the arguments follow in pieces
+            self.named_call = tool_calls.ToolCall(self.reader.function, text)
+            self.called = True
+            return [{"tool_calls": [self.named_call.openai(0)]}]
+        return [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}] if text else []
+
+    def finish(self) -> list[dict[str, Any]]:
+        if self.reader.mode == "named":
+            return self.feed("") if self.named_call is None else []
+        if self.auto is not None:
+            content, calls = self.auto.finish()
+        else:
+            content, calls = self.reader.read(self.held)
+        deltas = [{"content": content}] if content else []
+        if calls:
+            self.called = True
+            deltas.append({"tool_calls": [c.openai(i) for i, c in enumerate(calls)]})
+        return deltas
 
 
 # -------------------------------------------------------- response builders
@@ -418,16 +593,25 @@ def chat_response(
     logprobs: bool,
     top_logprobs: int,
     tokenizer_decode: Decode,
+    tools: ToolReader | None = None,
 ) -> dict[str, Any]:
-    """A whole ``chat.completion`` object; ``results`` are the choices of one prompt."""
+    """A whole ``chat.completion`` object; ``results`` are the choices of one prompt.
+    With ``tools``, each choice's text is read for tool calls."""
     choices = []
     for index, result in enumerate(results):
         meta = result["meta_info"]
+        message: dict[str, Any] = {"role": "assistant", "content": result["text"]}
+        finish = openai_finish_reason(meta["finish_reason"])
+        if tools is not None:
+            message["content"], calls = tools.read(result["text"])
+            if calls:
+                message["tool_calls"] = [c.openai() for c in calls]
+                finish = tools.finish_reason(finish)
         choices.append({
             "index": index,
-            "message": {"role": "assistant", "content": result["text"]},
+            "message": message,
             "logprobs": chat_logprobs(meta, top_logprobs, tokenizer_decode) if logprobs else None,
-            "finish_reason": openai_finish_reason(meta["finish_reason"]),
+            "finish_reason": finish,
         })
     return {
         "id": f"chatcmpl-{request_id}",

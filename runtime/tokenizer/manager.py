@@ -209,7 +209,7 @@ class TokenizerManager:
         else:
             if self.tokenizer is None:
                 raise BadRequest("this server has no tokenizer (--skip-tokenizer-init): send input_ids")
-            text = req.text if req.text is not None else self._chat_prompt(req.messages)
+            text = req.text if req.text is not None else self._chat_prompt(req.messages, req.tools)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise BadRequest("the prompt is empty")
@@ -218,14 +218,13 @@ class TokenizerManager:
                              "(prompt plus at least one new token must fit)")
         return list(ids)
 
-    def _chat_prompt(self, messages: list[dict[str, Any]]) -> str:
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("messages must be a non-empty list")
+    def _chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        from runtime.tokenizer.loader import chat_prompt
+
         try:
-            # transformers renders templates in a jinja2 sandbox
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # noqa: BLE001 - a template error is the request's fault
-            raise BadRequest(f"cannot apply the chat template: {e}") from e
+            return chat_prompt(self.tokenizer, messages, tools)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
 
     def _sampling_params(self, req: GenerateRequest, prompt_len: int) -> SamplingParams:
         raw = dict(req.sampling_params or {})

@@ -80,3 +80,16 @@ def test_an_example_runs_as_a_script(server):
     assert done.returncode == 0, done.stderr
     first = done.stdout.splitlines()[0]
     assert json.loads(first.split("} ")[0].replace("'", '"') + "}")["age"] == 34
+
+
+def test_openai_tools_runs_the_calls_the_model_asks_for(server):
+    ex = load("openai_tools")
+    out = ex.main(server.url + "/v1")
+    assert out["calls"], out
+    tools = {t["function"]["name"]: t["function"]["parameters"] for t in ex.TOOLS}
+    for call in out["calls"]:
+        jsonschema.validate(call["arguments"], tools[call["name"]])
+        assert call["result"] == ex.FUNCTIONS[call["name"]](**call["arguments"])
+    first, last = out["usages"][0], out["usages"][-1]
+    assert last.prompt_tokens_details.cached_tokens >= first.prompt_tokens - 1  # each turn resumes the last
+    assert_kv_clean(server.url)

@@ -41,6 +41,9 @@ NATIVE = [
     ({"text": "hi", "sampling_params": {"regex": "a", "json_schema": "{}"}}, "mutually exclusive"),
     ({"text": "hi", "sampling_params": {"json_schema": "{not json"}}, "json_schema"),
     ({"text": "hi", "sampling_params": {"json_schema": json.dumps(_nested_arrays(200))}}, "more than 128 deep"),
+    ({"text": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools' goes with 'messages'"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f"}]}, "'tools' goes with 'messages'"),
+    ({"messages": [{"content": "hi"}]}, "with a role"),
 ]
 
 
@@ -73,7 +76,13 @@ OPENAI = [
     ("chat/completions", {"messages": HI, "max_completion_tokens": 10**9}, "does not fit"),
     ("chat/completions", {"messages": HI, "n": 10**6}, "n"),
     ("chat/completions", {"messages": HI, "temperature": "hot"}, "temperature"),
-    ("chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f g"}}]}, "pattern"),
+    ("chat/completions", {"messages": HI, "tool_choice": "required"}, "tool_choice needs tools"),
+    ("chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}],
+                          "tool_choice": {"type": "function", "function": {"name": "g"}}}, "not among the tools"),
+    ("chat/completions", {"messages": [{"role": "tool", "content": "1"}]}, "tool_call_id"),
+    ("chat/completions", {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": "{oops"}}]}]}, "must be a JSON object"),
     ("chat/completions", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": _nested_arrays(200)}}}, "more than 128 deep"),
 ]

@@ -110,12 +110,12 @@ def test_best_of_one_and_nulls_are_accepted() -> None:
 
 
 def test_unknown_fields_are_refused_and_openai_bookkeeping_ignored() -> None:
-    req = chat(service_tier="auto", parallel_tool_calls=False, store=True)
+    req = chat(service_tier="auto", store=True)
     assert "service_tier" not in chat_to_generate(req, "p")["sampling_params"]
     with pytest.raises(ValidationError, match="max_token\n.*Extra inputs"):
         completion(max_token=5)
-    with pytest.raises(ValidationError, match="tools"):
-        chat(tools=[{"type": "function", "function": {"name": "f"}}])
+    with pytest.raises(ValidationError, match="functions\n.*Extra inputs"):
+        chat(functions=[{"name": "f"}])  # the deprecated form of tools
 
 
 def test_max_tokens_null_means_no_limit_but_absent_means_16() -> None:
@@ -393,3 +393,111 @@ def test_openai_error_body() -> None:
         "error": {"message": "bad n", "type": "invalid_request_error", "param": "n", "code": 400}
     }
     assert openai_error("boom", "internal_error", code=500)["error"]["code"] == 500
+
+
+# --------------------------------------------------------------- tool calls
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+PING = {"type": "function", "function": {"name": "ping", "description": "Is the host up?"}}
+
+
+@pytest.mark.parametrize("fields,fragment", [
+    ({"tool_choice": "auto"}, "tool_choice needs tools"),
+    ({"tools": [ADD, ADD]}, "distinct"),
+    ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "sub"}}}, "not among the tools"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "pattern"),
+    ({"tools": [ADD], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "add"}}, "regex": "x"}, "regex"),
+    ({"tools": [ADD], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"messages": [{"role": "tool", "content": "3"}]}, "tool_call_id"),
+])
+def test_tool_requests_are_checked(fields, fragment) -> None:
+    with pytest.raises(ValidationError, match=fragment):
+        chat(**fields)
+
+
+def test_tool_choice_sets_the_constraint_and_the_tools_reach_the_template() -> None:
+    from runtime import tool_calls
+
+    assert chat().tool_mode == "none" and chat(tools=[ADD]).tool_mode == "auto"
+    auto = chat_to_generate(chat(tools=[ADD, PING]), "p")
+    assert auto["tools"] == [ADD, PING] and "json_schema" not in auto["sampling_params"]
+    required = chat_to_generate(chat(tools=[ADD, PING], tool_choice="required", parallel_tool_calls=False), "p")
+    assert required["sampling_params"]["json_schema"] == tool_calls.required_schema([ADD, PING], parallel=False)
+    named = chat_to_generate(chat(tools=[ADD, PING], tool_choice={"type": "function", "function": {"name": "add"}}), "p")
+    assert json.loads(named["sampling_params"]["json_schema"]) == ADD["function"]["parameters"]
+    assert "tools" not in chat_to_generate(chat(), "p")
+
+
+def test_past_calls_reach_the_template_with_object_arguments() -> None:
+    req = chat(messages=[
+        {"role": "user", "content": "1+2?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+    ])
+    assert chat_messages(req)[1:] == [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]},
+        {"role": "tool", "content": "3", "tool_call_id": "c1"},
+    ]
+    bad = chat(messages=[{"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "[1, 2]"}}]}])
+    with pytest.raises(ValueError, match=r"messages\[0\].tool_calls\[0\].function.arguments must be a JSON object"):
+        chat_messages(bad)
+
+
+def _tool_response(req: ChatCompletionRequest, text: str, finish: str = "stop") -> dict:
+    from runtime.server.openai_protocol import ToolReader
+
+    body = chat_response([result(text, [1], 5, finish={"type": finish})], "m", "r", False, 0, decode, ToolReader.of(req))
+    ChatCompletion.model_validate(body)
+    return body["choices"][0]
+
+
+def test_a_chat_response_carries_the_calls() -> None:
+    required = _tool_response(chat(tools=[ADD], tool_choice="required"), '[{"name": "add", "arguments": {"a": 1, "b": 2}}]')
+    assert required["finish_reason"] == "tool_calls" and required["message"]["content"] is None
+    (call,) = required["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+    # cut short by the length limit: no call, the text as it is
+    cut = _tool_response(chat(tools=[ADD], tool_choice="required"), '[{"name": "add", "argu', "length")
+    assert cut["finish_reason"] == "length" and cut["message"]["content"] == '[{"name": "add", "argu'
+    assert "tool_calls" not in cut["message"]
+    named = _tool_response(chat(tools=[ADD], tool_choice={"type": "function", "function": {"name": "add"}}), '{"a": 4, "b": 5}')
+    assert named["finish_reason"] == "stop"  # as OpenAI answers a call forced by name
+    assert named["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 4, "b": 5}'}
+    auto = _tool_response(chat(tools=[ADD]), 'Adding.<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>')
+    assert auto["finish_reason"] == "tool_calls" and auto["message"]["content"] == "Adding."
+    plain = _tool_response(chat(tools=[ADD]), "Two.")
+    assert plain == {"index": 0, "message": {"role": "assistant", "content": "Two."}, "logprobs": None,
+                     "finish_reason": "stop"}
+
+
+@pytest.mark.parametrize("tool_choice,pieces", [
+    ({"type": "function", "function": {"name": "add"}}, ['{"a"', ": 1, ", '"b": 2}']),
+    ("required", ['[{"name": "add", ', '"arguments": {"a": 1, "b": 2}}]']),
+    ("auto", ["Sum", ":<tool", '_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>']),
+])
+def test_streamed_calls_add_up_to_the_whole_answer(tool_choice, pieces) -> None:
+    from runtime.server.openai_protocol import ToolReader
+
+    req = chat(tools=[ADD, PING], tool_choice=tool_choice)
+    whole = _tool_response(req, "".join(pieces))
+    stream = ToolReader.of(req).stream()
+    deltas = [d for p in pieces for d in stream.feed(p)] + stream.finish()
+    content, calls = "", {}
+    for delta in deltas:
+        ChatCompletionChunk.model_validate(chat_chunk("r", "m", 1, 0, delta, None))
+        content += delta.get("content") or ""
+        for call in delta.get("tool_calls", []):
+            got = calls.setdefault(call["index"], {"name": "", "arguments": ""})
+            got["name"] += call.get("function", {}).get("name", "")
+            got["arguments"] += call["function"].get("arguments", "")
+    assert content == (whole["message"]["content"] or "")
+    assert list(calls.values()) == [c["function"] for c in whole["message"]["tool_calls"]]
+    assert stream.called
+    if tool_choice != "required":
+        assert len(deltas) > 1  # sent as it came, not all at the end
