@@ -71,13 +71,7 @@ def native_requests(body: dict[str, Any]) -> tuple[list[GenerateRequest], bool]:
             isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
             for t in tools)):
         raise BadRequest("'tools' goes with 'messages': a list of {\"type\": \"function\", \"function\": {\"name\", ...}}")
-    if chat is not None:  # one chat conversation
-        text, single, prompts = None, True, [chat]
-    else:
-        single = isinstance(text, str) or (ids is not None and (not ids or not isinstance(ids[0], list)))
-        prompts = [text if text is not None else ids] if single else (text if text is not None else ids)
-    if not isinstance(prompts, list) or not prompts:
-        raise BadRequest("'text' must be a string or a non-empty list of strings; 'input_ids' a list of ints or of lists")
+    prompts, single = _prompts(text, ids, chat)
     params = body.get("sampling_params") or {}
     param_list = params if isinstance(params, list) else [params] * len(prompts)
     if len(param_list) != len(prompts) or not all(isinstance(p, dict) for p in param_list):
@@ -107,6 +101,29 @@ def native_requests(body: dict[str, Any]) -> tuple[list[GenerateRequest], bool]:
                 stream=bool(body.get("stream", False)),
             ))
     return reqs, single and len(reqs) == 1
+
+
+def _prompts(text: Any, ids: Any, chat: Any) -> tuple[list[Any], bool]:
+    """The body's prompts, and whether it held one (not a batch)."""
+    if chat is not None:  # one chat conversation
+        if not isinstance(chat, list) or not chat or not all(isinstance(m, dict) for m in chat):
+            raise BadRequest("'messages' must be a non-empty list of message objects")
+        return [chat], True
+    if text is not None:
+        if isinstance(text, str):
+            return [text], True
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return text, False
+        raise BadRequest("'text' must be a string or a non-empty list of strings")
+    if _is_token_ids(ids):
+        return [ids], True
+    if isinstance(ids, list) and ids and all(_is_token_ids(p) for p in ids):
+        return ids, False
+    raise BadRequest("'input_ids' must be a list of token ids (integers) or a non-empty list of such lists")
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def _rid(rids: Any, i: int, single: bool) -> str:

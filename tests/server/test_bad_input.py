@@ -44,6 +44,11 @@ NATIVE = [
     ({"text": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools' goes with 'messages'"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f"}]}, "'tools' goes with 'messages'"),
     ({"messages": [{"content": "hi"}]}, "with a role"),
+    ({"messages": "hi"}, "'messages' must be a non-empty list"),
+    ({"input_ids": True}, "'input_ids' must be a list of token ids"),
+    ({"input_ids": [[1], 2]}, "'input_ids' must be a list of token ids"),
+    ({"input_ids": [1, "a"]}, "'input_ids' must be a list of token ids"),
+    ({"text": ["a", 3]}, "'text' must be a string"),
 ]
 
 
