@@ -7,6 +7,7 @@ downloaded: paths are local.
 
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.util
 import json
@@ -172,7 +173,10 @@ def _iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tens
         yield name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
 
 
+@functools.lru_cache(maxsize=4)
 def _gguf_reader(path: str):
+    """The file's reader, parsed once per process: parsing the metadata (the tokenizer's ~50k strings
+    among it) takes seconds, and both the config and the weights need it."""
     from gguf import GGUFReader
 
     return GGUFReader(path)
