@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import shutil
+import tempfile
 from typing import Any
 
+import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from runtime import tool_calls
 from runtime.worker.loader import ModelSource
+
+
+log = logging.getLogger(__name__)
 
 
 def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None) -> PreTrainedTokenizerBase:
@@ -18,8 +25,43 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None) -> Pr
     if tokenizer_path:
         return AutoTokenizer.from_pretrained(tokenizer_path)
     if source.is_gguf:
-        return AutoTokenizer.from_pretrained(os.path.dirname(source.path), gguf_file=os.path.basename(source.path))
+        return _gguf_tokenizer(source.path)
     return AutoTokenizer.from_pretrained(source.path)
+
+
+def _gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """A GGUF file's tokenizer. transformers converts it in seconds (it parses ~50k token strings in
+    Python) every time, so the result is kept as a tokenizer.json under the cache directory, keyed by
+    the file and the transformers version; from there it loads in a tenth of a second."""
+    cache = tokenizer_cache_dir(path)
+    if os.path.exists(os.path.join(cache, "tokenizer.json")):
+        try:
+            return AutoTokenizer.from_pretrained(cache)
+        except Exception as e:  # noqa: BLE001 - a damaged cache entry is rebuilt, not fatal
+            log.warning("ignoring the cached tokenizer in %s: %s", cache, e)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    try:
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        staging = tempfile.mkdtemp(dir=os.path.dirname(cache))
+        tokenizer.save_pretrained(staging)
+        try:
+            shutil.rmtree(cache, ignore_errors=True)  # a damaged entry
+            os.rename(staging, cache)
+        except OSError:  # another process (the scheduler and the tokenizer start together) got there first
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as e:
+        log.info("not caching the tokenizer (%s)", e)
+    return tokenizer
+
+
+def tokenizer_cache_dir(gguf_path: str) -> str:
+    """Where the converted tokenizer of a GGUF file is kept: under $RADIXLM_CACHE_DIR (default
+    ~/.cache/radixlm), named after the file's path, size and modification time and the transformers
+    version, so any change to either makes a new entry."""
+    root = os.environ.get("RADIXLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "radixlm")
+    st = os.stat(gguf_path)
+    key = f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    return os.path.join(root, "tokenizers", hashlib.sha256(key.encode()).hexdigest()[:20])
 
 
 def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
