@@ -13,9 +13,10 @@ Output, by ``tool_choice``:
 
 * ``none``: plain text, nothing is parsed;
 * ``auto``: free text. ``<tool_call>`` blocks holding a JSON object that names
-  a known tool are calls (so is an output that is one bare JSON object naming a
-  tool, the Llama 3 style, with ``arguments`` or ``parameters``); the text
-  around them is the content;
+  a known tool are calls, and the text around them is the content. So is an
+  output that is nothing but calls in bare JSON (one object or an array, with
+  ``arguments`` or ``parameters``, after Mistral's ``[TOOL_CALLS]`` or Llama
+  3.1's ``<|python_tag|>`` if present);
 * ``required``: decoding is constrained to a JSON array of ``{"name",
   "arguments"}`` objects, each matching one tool's parameter schema (one item
   unless parallel calls are allowed);
@@ -170,17 +171,46 @@ def _split(text: str, names: set[str], parallel: bool) -> tuple[str, list[ToolCa
         at = block.end()
         if parallel or not calls:  # a call past the first, when only one is allowed, is dropped
             calls.append(call)
-    if not calls and text.lstrip().startswith("{"):
-        bare = _call(text, names)
-        return ("", [bare]) if bare is not None else (text, [])
+    if not calls:
+        bare = _bare_calls(text, names, parallel)
+        return ("", bare) if bare else (text, [])
     return "".join(kept) + text[at:], calls
+
+
+# What Mistral's and Llama 3.1's templates have a model write before bare JSON calls.
+_MARKERS = ("[TOOL_CALLS]", "<|python_tag|>")
+
+
+def _bare_calls(text: str, names: set[str], parallel: bool) -> list[ToolCall] | None:
+    """The calls of an output that is nothing but calls in JSON, after an optional marker: one
+    object, or an array of them (the shape `required` forces)."""
+    body = text.strip()
+    for marker in _MARKERS:
+        body = body.removeprefix(marker).lstrip()
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    calls = [_call_object(item, names) for item in (obj if isinstance(obj, list) else [obj])]
+    if not calls or None in calls:
+        return None
+    return calls if parallel else calls[:1]
+
+
+def _may_be_bare(text: str) -> bool:
+    """Whether `text` may still turn out to be bare calls (so a stream must not send it yet)."""
+    body = text.lstrip()
+    return not body or body[0] in "{[" or any(m.startswith(body[: len(m)]) for m in _MARKERS)
 
 
 def _call(text: str, names: set[str]) -> ToolCall | None:
     try:
-        obj = json.loads(text)
+        return _call_object(json.loads(text), names)
     except json.JSONDecodeError:
         return None
+
+
+def _call_object(obj: Any, names: set[str]) -> ToolCall | None:
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -198,8 +228,8 @@ class AutoStream:
     """Splits a streamed `auto` output into content to send now and calls read at the end.
 
     Text is sent as it comes, except what may begin a call: from a ``<tool_call>``
-    tag on (or a partial tag at the end), or an output that opens with ``{``,
-    is held back and parsed when the output is done.
+    tag on (or a partial tag at the end), or an output that opens like bare JSON
+    calls (``{``, ``[`` or a marker), is held back and parsed when the output is done.
     """
 
     def __init__(self, names: set[str], parallel: bool) -> None:
@@ -210,7 +240,7 @@ class AutoStream:
     def feed(self, delta: str) -> str:
         """Content that can go out now."""
         self.text += delta
-        if self.text.lstrip().startswith("{") or not self.text.strip():
+        if self.sent == 0 and _may_be_bare(self.text):
             return ""
         tag = self.text.find(OPEN, self.sent)
         end = tag if tag >= 0 else len(self.text) - _partial_tag(self.text)

@@ -59,6 +59,23 @@ def test_text_that_is_no_call_of_a_known_tool_stays_content(text):
     assert parse_auto(text, NAMES) == (text, [])
 
 
+@pytest.mark.parametrize("text,parallel,expected", [
+    ('[{"name": "add", "arguments": {"a": 1}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]', True,
+     [("add", {"a": 1}), ("get_weather", {"city": "Oslo"})]),  # the shape `required` forces
+    ('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": {"a": 2}}]', False,
+     [("add", {"a": 1})]),  # Mistral's
+    ('<|python_tag|>{"name": "add", "parameters": {"a": 1}}', True, [("add", {"a": 1})]),  # Llama 3.1's
+])
+def test_bare_json_calls_are_read(text, parallel, expected):
+    content, calls = parse_auto(text, NAMES, parallel)
+    assert content is None and summary(calls) == expected
+
+
+@pytest.mark.parametrize("text", ['[1, 2, 3]', '[{"name": "add", "arguments": {}}, {"name": "rm", "arguments": {}}]', "[]"])
+def test_json_that_is_not_all_calls_is_content(text):
+    assert parse_auto(text, NAMES) == (text, [])
+
+
 def test_other_call_styles_are_read():
     # Llama 3's bare JSON with "parameters"; arguments given as a JSON string; the closing tag cut by EOS
     assert summary(parse_auto(' {"name": "add", "parameters": {"a": 1, "b": 2}}', NAMES)[1]) == [("add", {"a": 1, "b": 2})]
@@ -71,6 +88,7 @@ _PIECES = st.sampled_from([
     "Hello", " world", "\n", " ", "<", "<tool", "{", "}", "a < b", '"x"',
     block("add", {"a": 1, "b": 2}), block("get_weather", {"city": "Oslo", "unit": "f"}),
     "<tool_call>oops</tool_call>", "<tool_call>", '{"name": "add", "arguments": {"a": 3}}',
+    "[TOOL_CALLS]", "<|python_tag|>", "[1, 2]", '[{"name": "add", "arguments": {"a": 1}}]',
 ])
 
 
