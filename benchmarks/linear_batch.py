@@ -63,7 +63,6 @@ def main() -> None:
         d_dnn = (torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") - ref).abs().max().item()
         print(f"| {batch} | {plain * 1e3:.1f} | {total / plain / 1e9:.1f} | {mkl * 1e3:.1f} | {onednn * 1e3:.1f} "
               f"| {d_mkl:.1e} | {d_dnn:.1e} |")
-        del packed
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
     python benchmarks/soak.py --url http://127.0.0.1:30000 --requests 5000   # an already running server
 
 The mix (seeded): native /generate, OpenAI completions and chat; half streamed;
-one in six constrained (regex or JSON schema); prompts share one of four long
+one in six constrained (regex or JSON schema); a quarter of the chats offer a
+tool (`tool_choice` auto or required); prompts share one of four long
 system prompts; 20% of streams are dropped after a few events and 6% of the
 others time out on the client side; 2% are bad requests that must get a 400.
 Requests arrive in bursts (up to --burst at once) that need far more KV than the
@@ -51,6 +52,8 @@ SYSTEM_PROMPTS = [
 REGEX = r"[0-9]{1,3}( [a-z]+){1,3}"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "qty": {"type": "integer"}}, "required": ["name", "qty"]}
+TOOL = {"type": "function", "function": {"name": "lookup", "description": "Find an item in the catalogue",
+                                         "parameters": SCHEMA}}
 EXPECTED = ("ok", "dropped", "refused")
 
 
@@ -64,6 +67,7 @@ class Plan:
     drop_after: int | None  # streams: close after this many events
     client_timeout: float | None  # non-streams: give up after this many seconds
     bad: bool
+    tool_choice: str | None = None  # chat only: auto | required
 
 
 def make_plans(n: int, seed: int) -> list[Plan]:
@@ -82,6 +86,10 @@ def make_plans(n: int, seed: int) -> list[Plan]:
             client_timeout=rng.uniform(0.05, 0.5) if not stream and not bad and rng.random() < 0.06 else None,
             bad=bad,
         ))
+        if plans[-1].api == "chat" and rng.random() < 0.25:
+            plans[-1].tool_choice = rng.choice(["auto", "required"])
+            if plans[-1].tool_choice == "required":
+                plans[-1].constraint = None  # a forced call and another constraint are refused together
     return plans
 
 
@@ -100,6 +108,8 @@ def body_of(p: Plan) -> tuple[str, dict]:
     elif p.constraint == "json":
         body["json_schema"] = json.dumps(SCHEMA)
     if p.api == "chat":
+        if p.tool_choice:
+            body["tools"], body["tool_choice"] = [TOOL], p.tool_choice
         body["messages"] = [{"role": "system", "content": p.prompt.split("\n")[0]},
                             {"role": "user", "content": p.prompt.split("\n")[1]}]
         return "/v1/chat/completions", body
@@ -286,6 +296,7 @@ def main() -> int:
         "requests": len(plans), "wall_s": round(wall, 1), **counts,
         "dropped_share": round(counts["dropped"] / len(plans), 3),
         "streamed": sum(p.stream for p in plans), "constrained": sum(p.constraint is not None for p in plans),
+        "with_tools": sum(p.tool_choice is not None for p in plans),
         "kv_accounting_ok": acct["ok"], "idle_after_drain": acct["idle"],
         "locked_pages_after": acct["locked_pages"], "leaked_pages": leaked,
         "peak_running": peaks.get("running_requests"), "peak_waiting": peaks.get("waiting_requests"),

@@ -19,7 +19,7 @@ def test_quick_soak_loses_nothing_and_leaks_nothing(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert summary["lost"] == 0, summary["lost_examples"]
     assert summary["ok"] + summary["dropped"] + summary["refused"] == summary["requests"] == 200
-    assert summary["refused"] > 0 and summary["constrained"] > 0 and summary["streamed"] > 0
+    assert summary["refused"] > 0 and summary["constrained"] > 0 and summary["streamed"] > 0 and summary["with_tools"] > 0
     assert summary["dropped_share"] >= 0.10, summary  # clients walked away mid-request
     assert summary["kv_accounting_ok"] and summary["idle_after_drain"]
     assert summary["leaked_pages"] == 0 and summary["locked_pages_after"] == 0
