@@ -18,10 +18,21 @@ class GrammarError(ValueError):
     """The constraint cannot be used; the message names the problem."""
 
 
+# The end mark: the byte every constraint's regex is followed by when it is compiled, and the only
+# token that holds it (vocabulary.py adds it, one id past the model's, and leaves out real tokens
+# holding the byte). outlines-core 0.2 drops a token's transition when the token's last byte leaves
+# an accepting position for a non-accepting one (it reads the DFA's one-byte-delayed match flag as
+# "the text so far is a match"): after "3" a float could never take ".", nor free text a tool
+# call's opening tag. With the mark, no text position is accepting, so every transition is kept;
+# "the text may end here" becomes "the end mark's token may follow" (Grammar.can_end), and the
+# scheduler allows EOS there.
+END_MARK = b"\x00"
+
+
 def build_index(key: ConstraintKey, vocabulary: Vocabulary) -> Index:
     regex = to_regex(key)
     try:
-        return Index(regex, vocabulary)
+        return Index(f"({regex})\\x00", vocabulary)
     except Exception as e:  # noqa: BLE001 - invalid regex, or one no token sequence can match
         raise GrammarError(f"cannot compile the {key[0]} constraint: {e}") from None
 
@@ -30,12 +41,21 @@ def to_regex(key: ConstraintKey) -> str:
     kind, text = key
     if kind == "regex":
         return text
+    if kind == "structural_tag":
+        return _structural_tag_regex(text)
+    return _schema_regex(_load_json("json_schema", text), "json_schema")
+
+
+def _load_json(what: str, text: str) -> object:
     try:
-        schema = json.loads(text)
+        return json.loads(text)
     except (json.JSONDecodeError, RecursionError) as e:
-        raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+        raise GrammarError(f"{what} is not valid JSON: {e}") from None
+
+
+def _schema_regex(schema: object, what: str) -> str:
     if _nesting(schema) > MAX_SCHEMA_NESTING:
-        raise GrammarError(f"json_schema nests objects and arrays more than {MAX_SCHEMA_NESTING} deep")
+        raise GrammarError(f"{what} nests objects and arrays more than {MAX_SCHEMA_NESTING} deep")
     try:
         regex = build_regex_from_schema(json.dumps(_strict_formats(schema)))
     except Exception as e:  # noqa: BLE001 - outlines-core raises plain exceptions for unsupported schemas
@@ -43,6 +63,73 @@ def to_regex(key: ConstraintKey) -> str:
     # NOTE: outlines-core writes formats (date, time, ...) with \d, which its automaton reads as any
     # Unicode digit ("🯸🯸🯸🯸-10-20" would pass); JSON Schema means ASCII digits.
     return _ASCII_DIGIT.sub(r"\1[0-9]", regex)
+
+
+# ---- structural tags: free text, and JSON where a trigger opens a structure ---------------------
+
+
+def _structural_tag_regex(text: str) -> str:
+    """SGLang's structural tag, ``{"structures": [{"begin", "schema", "end"}, ...], "triggers":
+    [trigger]}``: free text in which the trigger may only open a structure, whose body must then
+    match its schema up to its end. Structures may follow one another, with text between.
+
+    One trigger, which every begin starts with and whose first character does not occur in it
+    again (``<tool_call>``, ``<function=``, ``[TOOL_CALLS]``): the text around structures is
+    then a small automaton (see `text_without`).
+    """
+    spec = _load_json("structural_tag", text)
+    structures = spec.get("structures") if isinstance(spec, dict) else None
+    triggers = spec.get("triggers") if isinstance(spec, dict) else None
+    if not isinstance(structures, list) or not structures or not all(
+            isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+            and isinstance(s.get("schema"), (dict, bool)) for s in structures):
+        raise GrammarError('structural_tag needs "structures": a non-empty list of {"begin", "schema", "end"}')
+    if not isinstance(triggers, list) or len(triggers) != 1 or not isinstance(triggers[0], str) or not triggers[0]:
+        raise GrammarError('structural_tag needs "triggers": one non-empty string')
+    (trigger,) = triggers
+    if trigger[0] in trigger[1:]:
+        raise GrammarError(f"structural_tag trigger {trigger!r} repeats its first character; not supported")
+    for s in structures:
+        if not s["begin"].startswith(trigger):
+            raise GrammarError(f"structural_tag begin {s['begin']!r} does not start with the trigger {trigger!r}")
+    bodies = "|".join(f"{_literal(s['begin'])}({_schema_regex(s['schema'], 'structural_tag schema')}){_literal(s['end'])}"
+                      for s in structures)
+    free = text_without(trigger)
+    return f"{free}(({bodies}){free})*"
+
+
+def text_without(trigger: str) -> str:
+    """A regex for any text that does not contain `trigger`, whose first character must not occur in
+    it again: then, after a partial match, a character other than the next one either restarts the
+    match (it is the first character) or ends it (anything else)."""
+    first, rest = _literal(trigger[0]), trigger[1:]
+    if not rest:
+        return f"{_not(trigger)}*"
+    # `tail`: after `first`, a partial match of `rest` ended by a character that is neither its next
+    # one nor `first` (completing `rest` would complete the trigger)
+    tail = _not(rest[-1] + trigger[0])
+    for ch in reversed(rest[:-1]):
+        tail = f"({_not(ch + trigger[0])}|{_literal(ch)}{tail})"
+    # `partial`: a proper prefix of `rest`, possibly empty (after which `first` may restart)
+    partial = ""
+    for ch in reversed(rest[:-1]):
+        partial = f"({_literal(ch)}{partial})?"
+    restarts = f"({partial}{first})*"
+    return f"({_not(trigger[0])}|{first}{restarts}{tail})*({first}{restarts}{partial})?"
+
+
+# Escapes both Python's re and outlines-core's (Rust) regex read alike.
+_CONTROL = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _literal(text: str) -> str:
+    """A regex matching `text` as it is."""
+    return "".join(_CONTROL.get(c) or ("\\" + c if c in ".^$*+?()[]{}|\\" else c) for c in text)
+
+
+def _not(chars: str) -> str:
+    """A class of any character but `chars`."""
+    return "[^" + "".join(_CONTROL.get(c) or ("\\" + c if c in "\\]^-[" else c) for c in dict.fromkeys(chars)) + "]"
 
 
 # Deeper schemas are refused with this reason up front. Shallower ones can still explode (each

@@ -54,11 +54,13 @@ class GrammarCompiler:
     next build starts a fresh one), so an exploding automaton costs one request, not a core.
     """
 
-    def __init__(self, vocabulary: Vocabulary, workers: int = 2, cache_size: int = 256,
+    def __init__(self, vocabulary: Vocabulary, end_token: int, workers: int = 2, cache_size: int = 256,
                  timeout_s: float = 30.0, jump_forward: JumpForward | None = None) -> None:
+        """`vocabulary` holds the end mark's token, `end_token` (vocabulary_from_bytes adds it)."""
         self.jump_forward = jump_forward
         self.timeout_s = timeout_s
         self.vocabulary = vocabulary
+        self.end_token = end_token
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="radixlm-grammar")
         self._local = threading.local()  # each pool thread's child process
         self._children: list[subprocess.Popen] = []
@@ -87,7 +89,7 @@ class GrammarCompiler:
             raise GrammarError(f"the compiler process died on the {key[0]} constraint (out of memory?)") from None
         if status != "ok":
             raise GrammarError(value)
-        return Grammar(value)
+        return Grammar(value, self.end_token)
 
     def _child(self) -> subprocess.Popen:
         """This thread's compiler process, started (and sent the vocabulary) when there is none."""
@@ -142,7 +144,7 @@ def compiler_factory(tokenizer: object, vocab_size: int, eos_token_ids: Sequence
     """A zero-argument maker of the GrammarCompiler, for the scheduler to call on first use."""
 
     def make() -> GrammarCompiler:
-        from runtime.constrained.vocabulary import token_bytes, vocabulary_from_bytes
+        from runtime.constrained.vocabulary import end_token_id, token_bytes, vocabulary_from_bytes
 
         if not eos_token_ids:
             raise ValueError("constrained decoding needs at least one EOS token id")
@@ -152,7 +154,8 @@ def compiler_factory(tokenizer: object, vocab_size: int, eos_token_ids: Sequence
 
         table = token_bytes(tokenizer, vocab_size, eos_token_ids)  # one pass over the vocabulary, shared
         jump = JumpForward(table, eos_token_ids[0], encode, pre_splitter(tokenizer))
-        return GrammarCompiler(vocabulary_from_bytes(table, eos_token_ids[0]), timeout_s=timeout_s, jump_forward=jump)
+        return GrammarCompiler(vocabulary_from_bytes(table, eos_token_ids[0]), end_token_id(table), timeout_s=timeout_s,
+                               jump_forward=jump)
 
     return make
 
@@ -167,16 +170,23 @@ def pre_splitter(tokenizer: object) -> Callable[[str], list[int]] | None:
     return lambda text: [start for _, (start, _) in pre.pre_tokenize_str(text)]
 
 
-def grammar_bitmask(guides: Sequence[Guide | None], vocab_size: int) -> torch.Tensor | None:
+def grammar_bitmask(rows: Sequence[tuple[Guide, Grammar] | None], vocab_size: int,
+                    eos_token_id: int) -> torch.Tensor | None:
     """[B, ceil(V/32)] int32 bitmask of allowed tokens per row (all ones for unconstrained rows),
-    or None when no row is constrained."""
-    if all(g is None for g in guides):
+    or None when no row is constrained. EOS is allowed where the row's text may end (the Index
+    itself never allows it: see constraint_regex.END_MARK); the end mark's own token lies past V."""
+    if all(r is None for r in rows):
         return None
-    mask = torch.full((len(guides), (vocab_size + 31) // 32), -1, dtype=torch.int32)
-    for i, guide in enumerate(guides):
-        if guide is not None:
-            row = mask[i : i + 1]
-            guide.write_mask_into(row.data_ptr(), row.numel(), row.element_size())
+    mask = torch.full((len(rows), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    word, bit = divmod(eos_token_id, 32)
+    eos_bit = torch.tensor(1 << bit, dtype=torch.int64).to(torch.int32)  # bit 31 wraps to the sign bit
+    for i, row in enumerate(rows):
+        if row is not None:
+            guide, grammar = row
+            view = mask[i : i + 1]
+            guide.write_mask_into(view.data_ptr(), view.numel(), view.element_size())
+            if grammar.can_end(guide.get_state()):
+                mask[i, word] |= eos_bit
     return mask
 
 

@@ -39,10 +39,29 @@ RETOKENIZE_TOKENS = 8  # output tokens re-encoded with the forced text at the bo
 
 @dataclass
 class Grammar:
-    """A compiled constraint: its Index and, per state, the forced continuation found so far."""
+    """A compiled constraint: its Index (built with the end mark, see constraint_regex.build_index),
+    the end mark's token, and per state what was worked out so far: whether the text may end there,
+    and the forced continuation."""
 
     index: Index
+    end_token: int
     forced: dict[int, Forced] = field(default_factory=dict)
+    _ends: dict[int, bool] = field(default_factory=dict)
+
+    def can_end(self, state: int) -> bool:
+        """Whether the text so far is a whole match (so EOS is allowed): the end mark's token leads
+        from `state` to a final state."""
+        ends = self._ends.get(state)
+        if ends is None:
+            after = self.index.get_next_state(state, self.end_token)
+            ends = self._ends[state] = after is not None and self.index.is_final_state(after)
+        return ends
+
+    def allows(self, state: int, token: int, eos_token_id: int) -> bool:
+        """Whether `token` may come next (EOS exactly where the text may end)."""
+        if token == eos_token_id:
+            return self.can_end(state)
+        return token != self.end_token and self.index.get_next_state(state, token) is not None
 
 
 @dataclass(frozen=True)
@@ -81,15 +100,16 @@ class JumpForward:
     def forced(self, grammar: Grammar, state: int) -> Forced:
         found = grammar.forced.get(state)
         if found is None:
-            found = grammar.forced[state] = self._walk(grammar.index, state)
+            found = grammar.forced[state] = self._walk(grammar, state)
         return found
 
-    def _walk(self, index: Index, state: int) -> Forced:
+    def _walk(self, grammar: Grammar, state: int) -> Forced:
+        index = grammar.index
         text = bytearray()
         while len(text) < MAX_FORCED_BYTES:
-            allowed = index.get_allowed_tokens(state)
-            if index.is_final_state(state):
-                return Forced(bytes(text), ends=allowed == [self.eos_token_id])
+            allowed = [t for t in index.get_allowed_tokens(state) or () if t != grammar.end_token]
+            if grammar.can_end(state):
+                return Forced(bytes(text), ends=not allowed)
             if not allowed:
                 break
             first = self._first_byte[allowed]

@@ -24,10 +24,13 @@ For a batch, allocate one ``[B, W]`` mask, fill row views ``mask[i:i + 1]``
 stay all ones (``allocate_token_bitmask`` fills with -1). The apply kernel is
 ``torch.compile``d: its first call compiles. Columns past ``32 * W`` are set to
 -inf and ids missing from the vocabulary (specials, ids >= vocab_size) have a
-zero bit, so they are never sampled. ``guide.is_finished()`` means "in an
-accepting state", not "nothing else allowed": ``[0-9]+`` is finished after one
-digit yet still allows more digits; the EOS id is allowed exactly in accepting
-states.
+zero bit, so they are never sampled.
+
+This project compiles every constraint with an end mark after it and a token
+for the mark (constraint_regex.END_MARK, ``vocabulary_from_bytes``), working
+around an outlines-core 0.2 flaw; the Index then never allows EOS itself, and
+``Grammar.can_end`` says where the text may end (``[0-9]+`` may end after one
+digit yet still allows more digits): ``grammar_bitmask`` allows EOS there.
 """
 
 from __future__ import annotations
@@ -67,12 +70,21 @@ def build_vocabulary(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[in
 
 
 def vocabulary_from_bytes(table: Sequence[bytes | None], eos_token_id: int) -> Vocabulary:
-    """The Vocabulary of a `token_bytes` table (tokens with the same bytes share one key)."""
-    groups: dict[bytes, list[int]] = {}
+    """The Vocabulary of a `token_bytes` table (tokens with the same bytes share one key), plus the
+    end mark's token, id `len(table)` (see constraint_regex.END_MARK); real tokens holding the mark's
+    byte (a NUL: no text a constraint should produce) are left out."""
+    from runtime.constrained.constraint_regex import END_MARK
+
+    groups: dict[bytes, list[int]] = {END_MARK: [end_token_id(table)]}
     for token_id, raw in enumerate(table):
-        if raw:  # an empty token would let the guide loop in place forever
+        if raw and END_MARK not in raw:  # an empty token would let the guide loop in place forever
             groups.setdefault(raw, []).append(token_id)  # ids ascend: the Vocabulary is deterministic
     return Vocabulary(eos_token_id, groups)
+
+
+def end_token_id(table: Sequence[bytes | None]) -> int:
+    """The end mark's token id for a `token_bytes` table: one past the model's vocabulary."""
+    return len(table)
 
 
 def token_bytes(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> list[bytes | None]:

@@ -436,7 +436,8 @@ class Scheduler:
             [r.params for r in reqs], [r.prompt_ids for r in reqs], [r.output_ids for r in reqs],
             self.eos_ids, self.worker.config.vocab_size, self.device,
         )
-        batch.grammar_mask = grammar_bitmask([r.guide for r in reqs], self.worker.config.vocab_size)
+        batch.grammar_mask = grammar_bitmask([(r.guide, r.grammar) if r.guide is not None else None for r in reqs],
+                                             self.worker.config.vocab_size, self.eos_ids[0] if self.eos_ids else -1)
         return batch
 
     # ---- processing results ------------------------------------------------------------------

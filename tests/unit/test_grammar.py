@@ -7,19 +7,34 @@ import time
 
 import pytest
 import torch
-from outlines_core import Guide, Vocabulary
+from outlines_core import Guide
 
 from runtime.constrained.grammar import GrammarCompiler, GrammarError, apply_bitmask, grammar_bitmask
+from runtime.constrained.vocabulary import end_token_id, vocabulary_from_bytes
 
-TOKENS = {"a": [1], "b": [2], "ab": [3], "1": [4], "2": [5], "{": [6], "}": [7], '"': [8], "x": [40], "y": [70]}
+TOKENS = {"a": 1, "b": 2, "ab": 3, "1": 4, "2": 5, "{": 6, "}": 7, '"': 8, ".": 9, "x": 40, "y": 70}
 VOCAB = 80  # wider than 64 so rows span three mask words
+EOS = 0
+TABLE = [None] * VOCAB
+for _text, _id in TOKENS.items():
+    TABLE[_id] = _text.encode()
+
+
+def make_compiler(**kw) -> GrammarCompiler:
+    return GrammarCompiler(vocabulary_from_bytes(TABLE, EOS), end_token_id(TABLE), workers=1, **kw)
 
 
 @pytest.fixture()
 def compiler():
-    c = GrammarCompiler(Vocabulary(0, TOKENS), workers=1, cache_size=2)
+    c = make_compiler(cache_size=2)
     yield c
     c.shutdown()
+
+
+def allowed(guide, grammar) -> set[int]:
+    logits = torch.zeros(1, VOCAB)
+    apply_bitmask(logits, grammar_bitmask([(guide, grammar)], VOCAB, EOS))
+    return set(torch.isfinite(logits[0]).nonzero().flatten().tolist())
 
 
 def _wait(c, key):
@@ -33,17 +48,31 @@ def _wait(c, key):
 
 
 def test_mask_allows_exactly_the_guides_tokens(compiler):
-    guide = Guide(_wait(compiler, ("regex", "(a|b)+[xy]")).index)
-    mask = grammar_bitmask([None, guide], VOCAB)
+    grammar = _wait(compiler, ("regex", "(a|b)+[xy]"))
+    guide = Guide(grammar.index)
+    mask = grammar_bitmask([None, (guide, grammar)], VOCAB, EOS)
     logits = torch.zeros(2, VOCAB)
     apply_bitmask(logits, mask)
     assert torch.isfinite(logits[0]).all(), "an unconstrained row stays open"
-    allowed = set(torch.isfinite(logits[1]).nonzero().flatten().tolist())
-    assert allowed == set(guide.get_tokens()) == {1, 2, 3}
+    assert set(torch.isfinite(logits[1]).nonzero().flatten().tolist()) == set(guide.get_tokens()) == {1, 2, 3}
     guide.advance(3, return_tokens=False)
-    logits = torch.zeros(1, VOCAB)
-    apply_bitmask(logits, grammar_bitmask([guide], VOCAB))
-    assert set(torch.isfinite(logits[0]).nonzero().flatten().tolist()) == {1, 2, 3, 40, 70}
+    assert allowed(guide, grammar) == {1, 2, 3, 40, 70}
+    guide.advance(40, return_tokens=False)
+    assert allowed(guide, grammar) == {EOS}  # complete: only the end
+
+
+def test_an_optional_part_after_a_possible_end_stays_reachable(compiler):
+    """outlines-core alone drops a token whose last byte leaves an accepting position for a
+    non-accepting one: after "1", a float could never take "." (see constraint_regex.END_MARK)."""
+    grammar = _wait(compiler, ("regex", r"[0-9]+(\.[0-9]+)?"))
+    guide = Guide(grammar.index)
+    guide.advance(4, return_tokens=False)  # "1": may end, or go on
+    assert allowed(guide, grammar) == {4, 5, 9, EOS}
+    guide.advance(9, return_tokens=False)  # "1.": must go on
+    assert allowed(guide, grammar) == {4, 5}
+    guide.advance(5, return_tokens=False)  # "1.2"
+    assert allowed(guide, grammar) == {4, 5, EOS}
+    assert grammar.allows(guide.get_state(), EOS, EOS) and not grammar.allows(guide.get_state(), 9, EOS)
 
 
 def test_errors_name_the_problem_and_results_are_cached(compiler):
@@ -59,7 +88,7 @@ def test_errors_name_the_problem_and_results_are_cached(compiler):
 
 
 def test_an_exploding_regex_times_out_and_the_compiler_recovers():
-    c = GrammarCompiler(Vocabulary(0, TOKENS), workers=1, timeout_s=1.0)
+    c = make_compiler(timeout_s=1.0)
     try:
         started = time.monotonic()
         err = _wait(c, ("regex", "(a|b)*a(a|b){40}"))  # 2^40 automaton states
@@ -86,7 +115,7 @@ def test_a_schema_whose_regex_explodes_is_stopped():
     schema = {"type": "integer"}
     for _ in range(40):  # shallow enough to pass the nesting check; its regex would take 4^40 bytes
         schema = {"type": "array", "items": schema}
-    c = GrammarCompiler(Vocabulary(0, TOKENS), workers=1, timeout_s=5.0)
+    c = make_compiler(timeout_s=5.0)
     try:
         err = _wait(c, ("json_schema", json.dumps(schema)))
         assert isinstance(err, GrammarError), err

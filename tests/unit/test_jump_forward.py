@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from outlines_core import Guide, Index
+from outlines_core import Guide
+
+from runtime.constrained.constraint_regex import build_index
 
 from runtime.constrained.grammar import compiler_factory
 from runtime.constrained.jump_forward import Grammar
@@ -27,7 +29,7 @@ def encode(tok, text):
 
 def walk(compiler, tok, regex: str, text: str) -> tuple[Grammar, Guide]:
     """A guide for `regex` after the canonical tokens of `text`."""
-    grammar = Grammar(Index(regex, compiler.vocabulary))
+    grammar = Grammar(build_index(("regex", regex), compiler.vocabulary), compiler.end_token)
     guide = Guide(grammar.index, max_rollback=8)
     for t in encode(tok, text):
         guide.advance(t, return_tokens=False)
