@@ -31,7 +31,7 @@ SAMPLING_PARAMS_SCHEMA = {
         **dict.fromkeys(("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
                          "presence_penalty"), _NUM),
         **dict.fromkeys(("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"), _BOOL),
-        **dict.fromkeys(("regex", "json_schema", "dtype", "choices_method"), _STR),
+        **dict.fromkeys(("regex", "json_schema", "dtype", "choices_method", "structural_tag"), _STR),
         "stop": {"anyOf": [_STR, {"type": "array", "items": _STR}]},
         "stop_token_ids": _TOKENS,
         "logit_bias": {"type": "object", "additionalProperties": _NUM},

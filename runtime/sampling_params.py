@@ -59,6 +59,8 @@ class SamplingParams:
     regex: str | None = None
     json_schema: str | None = None
     dtype: str | None = None  # one of DTYPES: the output is a literal of that type
+    # SGLang's: free text in which a trigger opens structures whose bodies follow JSON schemas (tool calls)
+    structural_tag: str | None = None
     n: int = 1
 
     def __post_init__(self) -> None:
@@ -73,7 +75,8 @@ class SamplingParams:
         self.stop_token_ids = _as_token_ids("stop_token_ids", self.stop_token_ids)
         self.logit_bias = _as_logit_bias(self.logit_bias)
         self.regex = _as_optional_str("regex", self.regex)
-        self.json_schema = _as_json_schema(self.json_schema)
+        self.json_schema = _as_json_text("json_schema", self.json_schema)
+        self.structural_tag = _as_json_text("structural_tag", self.structural_tag)
         self.dtype = _as_optional_str("dtype", self.dtype)
 
     @classmethod
@@ -121,7 +124,7 @@ class SamplingParams:
         _require(self.n >= 1, "n", self.n, ">= 1")
         if "" in self.stop:
             raise SamplingParamsError("stop strings must be non-empty; got an empty string in stop")
-        constraints = [k for k in ("regex", "json_schema", "dtype") if getattr(self, k) is not None]
+        constraints = [k for k in ("regex", "json_schema", "dtype", "structural_tag") if getattr(self, k) is not None]
         if len(constraints) > 1:
             raise SamplingParamsError(f"{' and '.join(constraints)} are mutually exclusive; set at most one")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -188,11 +191,11 @@ def _as_optional_str(name: str, value: Any) -> str | None:
     return value
 
 
-def _as_json_schema(value: Any) -> str | None:
-    # JSON clients naturally send the schema as an object; carry it as text.
+def _as_json_text(name: str, value: Any) -> str | None:
+    # JSON clients naturally send a schema (or tag) as an object; carry it as text.
     if isinstance(value, Mapping):
         return json.dumps(value)
-    return _as_optional_str("json_schema", value)
+    return _as_optional_str(name, value)
 
 
 def _as_stop_list(value: Any) -> list[str]:

@@ -12,7 +12,8 @@ turns wrapped in ``<tool_response>`` tags.
 Output, by ``tool_choice``:
 
 * ``none``: plain text, nothing is parsed;
-* ``auto``: free text. ``<tool_call>`` blocks holding a JSON object that names
+* ``auto``: free text (where some tools are ``strict``, a ``<tool_call>`` the model opens must
+  hold a valid call of one of them: a structural tag, see `strict_tag`). ``<tool_call>`` blocks holding a JSON object that names
   a known tool are calls, and the text around them is the content. So is an
   output that is nothing but calls in bare JSON (one object or an array, with
   ``arguments`` or ``parameters``, after Mistral's ``[TOOL_CALLS]`` or Llama
@@ -120,18 +121,33 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
     return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
-def required_schema(tools: list[dict[str, Any]], parallel: bool) -> str:
-    """The JSON schema of `tool_choice="required"`'s output: an array of calls."""
-    one_call = {"anyOf": [{
+def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema of one call of `tool`: its name and its arguments."""
+    return {
         "type": "object",
-        "properties": {"name": {"const": t["function"]["name"]}, "arguments": _parameters(t)},
+        "properties": {"name": {"const": tool["function"]["name"]}, "arguments": _parameters(tool)},
         "required": ["name", "arguments"],
         "additionalProperties": False,
-    } for t in tools]}
-    array: dict[str, Any] = {"type": "array", "items": one_call, "minItems": 1}
+    }
+
+
+def required_schema(tools: list[dict[str, Any]], parallel: bool) -> str:
+    """The JSON schema of `tool_choice="required"`'s output: an array of calls."""
+    array: dict[str, Any] = {"type": "array", "items": {"anyOf": [_call_schema(t) for t in tools]}, "minItems": 1}
     if not parallel:
         array["maxItems"] = 1
     return json.dumps(array)
+
+
+def strict_tag(tools: list[dict[str, Any]]) -> str | None:
+    """Under `auto`, the structural tag that holds the calls of the tools marked ``strict`` to their
+    schemas once the model opens a ``<tool_call>`` (the text around stays free), or None when no
+    tool is strict."""
+    strict = [t for t in tools if t["function"].get("strict")]
+    if not strict:
+        return None
+    return json.dumps({"type": "structural_tag", "triggers": [OPEN], "structures": [
+        {"begin": OPEN + "\n", "schema": _call_schema(t), "end": "\n" + CLOSE} for t in strict]})
 
 
 def named_schema(tool: dict[str, Any]) -> str:

@@ -11,7 +11,7 @@ import re
 from outlines_core import Index, Vocabulary
 from outlines_core.json_schema import build_regex_from_schema
 
-ConstraintKey = tuple[str, str]  # ("regex" | "json_schema", its text)
+ConstraintKey = tuple[str, str]  # ("regex" | "json_schema" | "structural_tag", its text)
 
 
 class GrammarError(ValueError):

@@ -41,6 +41,8 @@ def constraint_key(params: SamplingParams) -> ConstraintKey | None:
         return ("regex", params.regex)
     if params.json_schema is not None:
         return ("json_schema", params.json_schema)
+    if params.structural_tag is not None:
+        return ("structural_tag", params.structural_tag)
     if params.dtype is not None:
         return ("regex", DTYPE_REGEXES[params.dtype])
     return None

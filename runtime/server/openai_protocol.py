@@ -269,13 +269,14 @@ class ChatCompletionRequest(_OpenAIRequest):
             raise ValueError("tool_choice needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools {names}")
-        if self.tool_mode in ("required", "named"):
+        strict = self.tool_mode == "auto" and any(t.function.strict for t in self.tools or ())
+        if self.tool_mode in ("required", "named") or strict:
             formats = [k for k in ("regex", "json_schema") if getattr(self, k) is not None]
             if self.response_format is not None and self.response_format.type != "text":
                 formats.append("response_format")
             if formats:
-                raise ValueError(f"a forced tool call fixes the output's form; it cannot be combined with "
-                                 f"{' or '.join(formats)}")
+                what = "a forced tool call fixes" if not strict else "strict tools under tool_choice auto constrain"
+                raise ValueError(f"{what} the output's form; it cannot be combined with {' or '.join(formats)}")
         return self
 
     @property
@@ -327,6 +328,8 @@ def chat_to_generate(req: ChatCompletionRequest, prompt_text: str) -> dict[str, 
         schema = tool_calls.required_schema(tools, req.parallel_tool_calls)
     elif req.tool_mode == "named":
         schema = tool_calls.named_schema(next(t for t in tools if t["function"]["name"] == req.tool_choice.function.name))
+    elif req.tool_mode == "auto" and (tag := tool_calls.strict_tag(tools)) is not None:
+        params["structural_tag"] = tag
     if schema is not None:
         params["json_schema"] = schema
     body: dict[str, Any] = {"text": prompt_text, "sampling_params": params, "stream": req.stream}

@@ -139,6 +139,36 @@ def test_dtype_outputs_parse(smol):
         engine.generate("x", {"dtype": "complex"})
 
 
+def test_a_float_may_take_its_decimals(smol):
+    """After "3" a float may end or go on with "." (outlines-core alone never allowed the "."):
+    the model's own answer to this question, with the constraint, keeps its decimals."""
+    engine = smol.engine
+    res = engine.generate(_chat(engine, "What is pi to two decimals? Answer with the number."),
+                          {"max_new_tokens": 8, "temperature": 0, "regex": r"3(\.[0-9]+)?"})
+    assert re.fullmatch(r"3\.[0-9]+", res["text"]), res["text"]
+
+
+def test_a_structural_tag_holds_calls_to_their_schema_and_leaves_text_free(smol):
+    from runtime import tool_calls
+
+    engine = smol.engine
+    add = {"type": "function", "function": {"name": "add", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"], "additionalProperties": False}}}
+    call = '<tool_call>\n{{"name": "add", "arguments": {{"x": {}, "y": {}}}}}\n</tool_call>'
+    shots = f"Q: add 2 and 3\nA: {call.format(2, 3)}\nQ: add 7 and 1\nA: {call.format(7, 1)}\nQ: add 40 and 2\nA:"
+    free = engine.generate(shots, {"max_new_tokens": 40, "temperature": 0})["text"]
+    assert '"x": 40' in free  # the examples' wrong keys, copied
+    params = {"max_new_tokens": 40, "temperature": 0, "structural_tag": tool_calls.strict_tag([add])}
+    res = engine.generate(shots, params)
+    content, calls = tool_calls.parse_auto(res["text"], {"add"})
+    assert calls, res["text"]
+    jsonschema.validate(json.loads(calls[0].arguments), add["function"]["parameters"])
+    assert "Q:" in content  # after the call, text is free again
+    _assert_tokens_follow_the_guide(engine, res["output_ids"], {"structural_tag": params["structural_tag"]})
+    assert_drained(engine)
+
+
 def test_bad_constraints_fail_alone(smol):
     engine = smol.engine
     results = engine.generate(["a", "b", "c"], [

@@ -45,6 +45,8 @@ NATIVE = [
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f"}]}, "'tools' goes with 'messages'"),
     ({"messages": [{"content": "hi"}]}, "with a role"),
     ({"messages": "hi"}, "'messages' must be a non-empty list"),
+    ({"text": "hi", "sampling_params": {"structural_tag": {"structures": [], "triggers": ["<a>"]}}}, "structures"),
+    ({"text": "hi", "sampling_params": {"structural_tag": "{}", "regex": "a"}}, "mutually exclusive"),
     ({"input_ids": True}, "'input_ids' must be a list of token ids"),
     ({"input_ids": [[1], 2]}, "'input_ids' must be a list of token ids"),
     ({"input_ids": [1, "a"]}, "'input_ids' must be a list of token ids"),

@@ -110,3 +110,18 @@ def test_auto_and_none_answer_in_text_or_calls(client):
             assert message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
     without_tools = client.chat.completions.create(messages=ASK, **GREEDY)
     assert r.usage.prompt_tokens > without_tools.usage.prompt_tokens  # the tools are in the prompt
+
+
+def test_strict_tools_under_auto_and_structural_tags_natively(client, server):
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    r = client.chat.completions.create(messages=ASK, tools=[strict, ADD], tool_choice="auto", **GREEDY)
+    for call in r.choices[0].message.tool_calls or ():
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    assert r.choices[0].message.content or r.choices[0].message.tool_calls
+    tag = {"triggers": ["<tool_call>"], "structures": [
+        {"begin": "<tool_call>\n", "schema": ADD["function"]["parameters"], "end": "\n</tool_call>"}]}
+    native = httpx.post(server.url + "/generate", json={"text": "Add 2 and 3. <tool_call>\n{\"a\": 2, \"b\": 3}\n</tool_call>\n"
+                                                                "Add 4 and 5.", "sampling_params": {
+        "structural_tag": tag, "max_new_tokens": 24, "temperature": 0}}, timeout=120)
+    assert native.status_code == 200, native.text
+    assert_kv_clean(server.url)

@@ -501,3 +501,17 @@ def test_streamed_calls_add_up_to_the_whole_answer(tool_choice, pieces) -> None:
     assert stream.called
     if tool_choice != "required":
         assert len(deltas) > 1  # sent as it came, not all at the end
+
+
+def test_strict_tools_under_auto_hold_opened_calls_to_their_schemas() -> None:
+    from runtime import tool_calls
+
+    strict_add = {"type": "function", "function": {**ADD["function"], "strict": True}}
+    params = chat_to_generate(chat(tools=[strict_add, PING]), "p")["sampling_params"]
+    tag = json.loads(params["structural_tag"])
+    assert tag["triggers"] == [tool_calls.OPEN] and [s["schema"]["properties"]["name"] for s in tag["structures"]] == [
+        {"const": "add"}]  # only the strict tool is held to its schema
+    assert "structural_tag" not in chat_to_generate(chat(tools=[ADD, PING]), "p")["sampling_params"]
+    assert "structural_tag" not in chat_to_generate(chat(tools=[strict_add], tool_choice="none"), "p")["sampling_params"]
+    with pytest.raises(ValidationError, match="strict tools under tool_choice auto"):
+        chat(tools=[strict_add], response_format={"type": "json_object"})
