@@ -11,28 +11,46 @@ import re
 from outlines_core import Index, Vocabulary
 from outlines_core.json_schema import build_regex_from_schema
 
-ConstraintKey = tuple[str, str]  # ("regex" | "json_schema" | "structural_tag", its text)
+ConstraintKey = tuple[str, str]  # ("regex" | "json_schema" | "dtype" | "structural_tag", its text)
 
 
 class GrammarError(ValueError):
     """The constraint cannot be used; the message names the problem."""
 
 
-# The end mark: the byte every constraint's regex is followed by when it is compiled, and the only
-# token that holds it (vocabulary.py adds it, one id past the model's, and leaves out real tokens
-# holding the byte). outlines-core 0.2 drops a token's transition when the token's last byte leaves
-# an accepting position for a non-accepting one (it reads the DFA's one-byte-delayed match flag as
-# "the text so far is a match"): after "3" a float could never take ".", nor free text a tool
-# call's opening tag. With the mark, no text position is accepting, so every transition is kept;
-# "the text may end here" becomes "the end mark's token may follow" (Grammar.can_end), and the
-# scheduler allows EOS there.
+# The end mark: a byte compiled after the regex of the constraints that need it (`uses_end_mark`),
+# and the only token that holds it (vocabulary.py adds it, one id past the model's, and leaves out
+# real tokens holding the byte). outlines-core 0.2 drops a token's transition when the token's last
+# byte leaves an accepting position for a non-accepting one (it reads the DFA's one-byte-delayed
+# match flag as "the text so far is a match"): after "3" a float could never take ".", nor free
+# text a tool call's opening tag. With the mark, no text position is accepting, so every
+# transition is kept; "the text may end here" becomes "the end mark's token may follow"
+# (Grammar.can_end), and the scheduler allows EOS there.
+# NOTE: not for user regexes and JSON schemas: the pruning also keeps their automata small, and a
+# regex like `[^\n]{4,100}` compiled with the mark takes minutes instead of a second. A JSON
+# value's end is never optional, so schemas do not suffer from the flaw; a user regex with an
+# optional tail after a possible end does (`[0-9]+(\.[0-9]+)?` loses its tail one character
+# token at a time).
 END_MARK = b"\x00"
+_MARKED_KINDS = frozenset({"dtype", "structural_tag"})
+
+# `dtype` constraints: a literal of that type (bools and strings as Python writes them)
+DTYPE_REGEXES = {
+    "int": r"-?(0|[1-9][0-9]*)",
+    "float": r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?",
+    "bool": r"(True|False)",
+    "str": r'"([^"\\\n]|\\.)*"',
+}
+
+
+def uses_end_mark(key: ConstraintKey) -> bool:
+    return key[0] in _MARKED_KINDS
 
 
 def build_index(key: ConstraintKey, vocabulary: Vocabulary) -> Index:
     regex = to_regex(key)
     try:
-        return Index(f"({regex})\\x00", vocabulary)
+        return Index(f"({regex})\\x00" if uses_end_mark(key) else regex, vocabulary)
     except Exception as e:  # noqa: BLE001 - invalid regex, or one no token sequence can match
         raise GrammarError(f"cannot compile the {key[0]} constraint: {e}") from None
 
@@ -41,6 +59,8 @@ def to_regex(key: ConstraintKey) -> str:
     kind, text = key
     if kind == "regex":
         return text
+    if kind == "dtype":
+        return DTYPE_REGEXES[text]
     if kind == "structural_tag":
         return _structural_tag_regex(text)
     return _schema_regex(_load_json("json_schema", text), "json_schema")

@@ -23,18 +23,9 @@ import torch
 from outlines_core import Guide, Vocabulary
 
 from runtime.constrained import compile_worker
-from runtime.constrained.constraint_regex import ConstraintKey, GrammarError
+from runtime.constrained.constraint_regex import ConstraintKey, GrammarError, uses_end_mark
 from runtime.constrained.jump_forward import Grammar, JumpForward
 from runtime.sampling_params import SamplingParams
-
-# `dtype` constraints: a literal of that type (bools and strings as Python writes them)
-DTYPE_REGEXES = {
-    "int": r"-?(0|[1-9][0-9]*)",
-    "float": r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?",
-    "bool": r"(True|False)",
-    "str": r'"([^"\\\n]|\\.)*"',
-}
-
 
 def constraint_key(params: SamplingParams) -> ConstraintKey | None:
     if params.regex is not None:
@@ -44,7 +35,7 @@ def constraint_key(params: SamplingParams) -> ConstraintKey | None:
     if params.structural_tag is not None:
         return ("structural_tag", params.structural_tag)
     if params.dtype is not None:
-        return ("regex", DTYPE_REGEXES[params.dtype])
+        return ("dtype", params.dtype)
     return None
 
 
@@ -91,7 +82,7 @@ class GrammarCompiler:
             raise GrammarError(f"the compiler process died on the {key[0]} constraint (out of memory?)") from None
         if status != "ok":
             raise GrammarError(value)
-        return Grammar(value, self.end_token)
+        return Grammar(value, self.end_token if uses_end_mark(key) else None)
 
     def _child(self) -> subprocess.Popen:
         """This thread's compiler process, started (and sent the vocabulary) when there is none."""
@@ -175,8 +166,9 @@ def pre_splitter(tokenizer: object) -> Callable[[str], list[int]] | None:
 def grammar_bitmask(rows: Sequence[tuple[Guide, Grammar] | None], vocab_size: int,
                     eos_token_id: int) -> torch.Tensor | None:
     """[B, ceil(V/32)] int32 bitmask of allowed tokens per row (all ones for unconstrained rows),
-    or None when no row is constrained. EOS is allowed where the row's text may end (the Index
-    itself never allows it: see constraint_regex.END_MARK); the end mark's own token lies past V."""
+    or None when no row is constrained. EOS is allowed where the row's text may end (an Index built
+    with the end mark never allows it itself: see constraint_regex.END_MARK); the end mark's own
+    token lies past V."""
     if all(r is None for r in rows):
         return None
     mask = torch.full((len(rows), (vocab_size + 31) // 32), -1, dtype=torch.int32)
@@ -187,8 +179,8 @@ def grammar_bitmask(rows: Sequence[tuple[Guide, Grammar] | None], vocab_size: in
             guide, grammar = row
             view = mask[i : i + 1]
             guide.write_mask_into(view.data_ptr(), view.numel(), view.element_size())
-            if grammar.can_end(guide.get_state()):
-                mask[i, word] |= eos_bit
+            if grammar.end_token is not None and grammar.can_end(guide.get_state()):
+                mask[i, word] |= eos_bit  # (without the end mark, outlines-core sets it itself)
     return mask
 
 

@@ -44,13 +44,15 @@ class Grammar:
     and the forced continuation."""
 
     index: Index
-    end_token: int
+    end_token: int | None = None  # the end mark's token, when the Index was built with the mark
     forced: dict[int, Forced] = field(default_factory=dict)
     _ends: dict[int, bool] = field(default_factory=dict)
 
     def can_end(self, state: int) -> bool:
-        """Whether the text so far is a whole match (so EOS is allowed): the end mark's token leads
-        from `state` to a final state."""
+        """Whether the text so far is a whole match (so EOS is allowed): with the end mark, its
+        token leads from `state` to a final state; without, `state` is final."""
+        if self.end_token is None:
+            return self.index.is_final_state(state)
         ends = self._ends.get(state)
         if ends is None:
             after = self.index.get_next_state(state, self.end_token)
@@ -91,6 +93,7 @@ class JumpForward:
         self.encode = encode
         self.pre_split = pre_split
         self._closed: dict[tuple[str, frozenset[int]], bool] = {}
+        self._size = len(token_bytes)
         self._first_byte = np.array([b[0] if b else -1 for b in token_bytes], dtype=np.int16)
         self._byte_token = [-1] * 256  # the token that is exactly this one byte
         for token_id, raw in enumerate(token_bytes):
@@ -107,7 +110,9 @@ class JumpForward:
         index = grammar.index
         text = bytearray()
         while len(text) < MAX_FORCED_BYTES:
-            allowed = [t for t in index.get_allowed_tokens(state) or () if t != grammar.end_token]
+            # ids past the table: the end mark's token, which an Index built without the mark still
+            # allows where its regex admits a NUL byte; never sampled
+            allowed = [t for t in index.get_allowed_tokens(state) or () if t < self._size and t != self.eos_token_id]
             if grammar.can_end(state):
                 return Forced(bytes(text), ends=not allowed)
             if not allowed:

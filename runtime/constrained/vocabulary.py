@@ -26,11 +26,12 @@ stay all ones (``allocate_token_bitmask`` fills with -1). The apply kernel is
 -inf and ids missing from the vocabulary (specials, ids >= vocab_size) have a
 zero bit, so they are never sampled.
 
-This project compiles every constraint with an end mark after it and a token
-for the mark (constraint_regex.END_MARK, ``vocabulary_from_bytes``), working
-around an outlines-core 0.2 flaw; the Index then never allows EOS itself, and
-``Grammar.can_end`` says where the text may end (``[0-9]+`` may end after one
-digit yet still allows more digits): ``grammar_bitmask`` allows EOS there.
+``guide.is_finished()`` means "in an accepting state", not "nothing else
+allowed": ``[0-9]+`` is finished after one digit yet still allows more digits;
+the EOS id is allowed exactly in accepting states. Constraints compiled with
+the end mark (constraint_regex.END_MARK, working around an outlines-core 0.2
+flaw) are the exception: their Index never allows EOS, ``Grammar.can_end``
+says where the text may end, and ``grammar_bitmask`` allows EOS there.
 """
 
 from __future__ import annotations

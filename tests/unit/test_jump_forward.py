@@ -29,7 +29,7 @@ def encode(tok, text):
 
 def walk(compiler, tok, regex: str, text: str) -> tuple[Grammar, Guide]:
     """A guide for `regex` after the canonical tokens of `text`."""
-    grammar = Grammar(build_index(("regex", regex), compiler.vocabulary), compiler.end_token)
+    grammar = Grammar(build_index(("regex", regex), compiler.vocabulary))
     guide = Guide(grammar.index, max_rollback=8)
     for t in encode(tok, text):
         guide.advance(t, return_tokens=False)
@@ -96,3 +96,12 @@ def test_a_last_pre_token_nothing_can_join_is_appended(compiler, tok):
     plan = jf.retokenize(encode(tok, "["), forced.text, next_bytes=forced.next_bytes)
     assert plan.keep == 0 and plan.tokens == encode(tok, '["')  # a letter never joins `["`
     assert jf.retokenize(encode(tok, "["), b'"', next_bytes=frozenset(b"y:")) is None  # `":` would
+
+
+def test_a_regex_that_admits_a_nul_byte_still_walks(compiler, tok):
+    """The vocabulary holds the end mark's token (a NUL, one id past the model's): a regex without
+    the mark that admits any character allows it, and the walk must pass over it."""
+    grammar, guide = walk(compiler, tok, r"[^\n]{2,5}", "ab")
+    assert compiler.end_token in guide.get_tokens()
+    forced = compiler.jump_forward.forced(grammar, guide.get_state())
+    assert forced.text == b"" and not forced.ends
