@@ -12,15 +12,16 @@ turns wrapped in ``<tool_response>`` tags.
 Output, by ``tool_choice``:
 
 * ``none``: plain text, nothing is parsed;
-* ``auto``: free text (where some tools are ``strict``, a ``<tool_call>`` the model opens must
-  hold a valid call of one of them: a structural tag, see `strict_tag`). ``<tool_call>`` blocks holding a JSON object that names
-  a known tool are calls, and the text around them is the content. So is an
+* ``auto``: free text. ``<tool_call>`` blocks holding a JSON object that names
+  a known tool are calls (where some tools are ``strict``, a block the model
+  opens must hold a valid call of one of them: see `strict_tag`), and the text
+  around them is the content. So is an
   output that is nothing but calls in bare JSON (one object or an array, with
   ``arguments`` or ``parameters``, after Mistral's ``[TOOL_CALLS]`` or Llama
   3.1's ``<|python_tag|>`` if present);
 * ``required``: decoding is constrained to a JSON array of ``{"name",
   "arguments"}`` objects, each matching one tool's parameter schema (one item
-  unless parallel calls are allowed);
+  unless parallel calls are allowed), read back as bare calls, as under ``auto``;
 * one named function: decoding is constrained to that function's arguments
   object, which is the output itself.
 
@@ -153,15 +154,6 @@ def strict_tag(tools: list[dict[str, Any]]) -> str | None:
 def named_schema(tool: dict[str, Any]) -> str:
     """The JSON schema of a named tool_choice's output: that function's arguments."""
     return json.dumps(_parameters(tool))
-
-
-def parse_required(text: str) -> list[ToolCall] | None:
-    """The calls of a `required` output, or None when it is not whole (cut off by the length limit)."""
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    return [ToolCall(item["name"], json.dumps(item["arguments"])) for item in items]
 
 
 # ------------------------------------------------------------ reading calls

@@ -457,9 +457,8 @@ class ToolReader:
         """(content, calls) of a whole choice."""
         if self.mode == "named":  # the text is the arguments (cut short if the length limit struck)
             return None, [tool_calls.ToolCall(self.function, text)]
-        if self.mode == "required":
-            calls = tool_calls.parse_required(text)
-            return (None, calls) if calls is not None else (text, [])
+        # a `required` output is a JSON array of calls, which auto's reading takes as bare calls
+        # (cut short by the length limit, it stays content)
         return tool_calls.parse_auto(text, self.names, self.parallel)
 
     def finish_reason(self, finish: str) -> str:
@@ -475,8 +474,8 @@ class ToolStream:
 
     def __init__(self, reader: ToolReader) -> None:
         self.reader = reader
-        self.auto = tool_calls.AutoStream(reader.names, reader.parallel) if reader.mode == "auto" else None
-        self.held = ""  # a required choice's text, read at the end
+        # auto and required (bare JSON calls, held to the end)
+        self.auto = tool_calls.AutoStream(reader.names, reader.parallel) if reader.mode != "named" else None
         self.named_call: tool_calls.ToolCall | None = None
         self.called = False
 
@@ -484,9 +483,6 @@ class ToolStream:
         if self.auto is not None:
             content = self.auto.feed(text)
             return [{"content": content}] if content else []
-        if self.reader.mode == "required":
-            self.held += text
-            return []
         if self.named_call is None:  # the first delta names the function; the arguments follow in pieces
             self.named_call = tool_calls.ToolCall(self.reader.function, text)
             self.called = True
@@ -494,12 +490,9 @@ class ToolStream:
         return [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}] if text else []
 
     def finish(self) -> list[dict[str, Any]]:
-        if self.reader.mode == "named":
+        if self.auto is None:
             return self.feed("") if self.named_call is None else []
-        if self.auto is not None:
-            content, calls = self.auto.finish()
-        else:
-            content, calls = self.reader.read(self.held)
+        content, calls = self.auto.finish()
         deltas = [{"content": content}] if content else []
         if calls:
             self.called = True
