@@ -84,8 +84,18 @@ class SchedulerProcess:
             kv = self.scheduler.kv
             return {"ok": True, "idle": not self.scheduler.has_work, "locked_pages": kv.cache.locked_pages,
                     "free_pages": kv.allocator.num_free_pages, "evictable_pages": kv.cache.evictable_pages,
-                    "pool_pages": kv.num_pages}
+                    "pool_pages": kv.num_pages, "live": self._live_requests()}
         return {"error": f"unknown control op {op!r}"}
+
+    def _live_requests(self, limit: int = 8) -> list[dict]:
+        """Where the requests in flight stand (the first `limit`), so a check that finds the
+        scheduler busy can say with what."""
+        s = self.scheduler
+        where = [("chunked", [s.chunked] if s.chunked is not None else []), ("running", s.running),
+                 ("waiting", s.waiting), ("pending", s.pending)]
+        return [{"rid": r.rid, "where": name, "prompt_tokens": len(r.prompt_ids),
+                 "output_tokens": len(r.output_ids), "max_new_tokens": r.params.max_new_tokens}
+                for name, reqs in where for r in reqs][:limit]
 
     def _send(self, outputs: list[TokenOutput]) -> None:
         if outputs:

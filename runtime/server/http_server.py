@@ -220,7 +220,14 @@ async def json_body(request: Request) -> dict[str, Any]:
 
 
 async def gather_outputs(client: RuntimeClient, reqs: list[GenerateRequest]) -> list[ClientOutput]:
-    return list(await asyncio.gather(*(client.generate(r) for r in reqs)))
+    """Every request's final output. When one fails, the rest are aborted: the caller gets the
+    error alone, and nobody would read their outputs (gather alone would leave them running)."""
+    tasks = [asyncio.ensure_future(client.generate(r)) for r in reqs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:  # a no-op for the finished ones
+            t.cancel()
 
 
 async def run_until_done(request: Request, work: Awaitable[Any]) -> Any:

@@ -81,9 +81,10 @@ class LiveServer:
         return self.proc.returncode
 
 
-def assert_kv_clean(url: str) -> None:
-    """Once the server is idle, the KV accounting identity holds and nothing is locked."""
-    deadline = time.time() + 10
+def assert_kv_clean(url: str, wait: float = 10) -> None:
+    """Once the server is idle (within `wait` seconds), the KV accounting identity holds and
+    nothing is locked."""
+    deadline = time.time() + wait
     while True:
         acct = httpx.get(url + "/debug/kv_accounting", timeout=30).json()
         assert acct["ok"], acct

@@ -144,6 +144,17 @@ def test_an_exploding_regex_hits_the_compile_time_limit_alone(server):
     assert time.monotonic() - started < 30
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_with_one_bad_prompt_leaves_nothing_running(server, stream):
+    """The good prompt of a refused batch reached the scheduler before the bad one failed: it is
+    aborted with the batch, not left generating thousands of tokens for nobody."""
+    body = {"input_ids": [[1, 2, 3], []], "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True},
+            "stream": stream}
+    r = httpx.post(server.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 400 and "empty" in r.json()["error"]["message"], r.text
+    assert_kv_clean(server.url, wait=5)
+
+
 def test_the_server_serves_on_after_all_of_it(server):
     r = httpx.post(server.url + "/generate", json={"text": "ok", "sampling_params": {"max_new_tokens": 2}}, timeout=60)
     assert r.status_code == 200
