@@ -448,24 +448,24 @@ class Scheduler:
             if b.mode is ForwardMode.EXTEND and not b.mixed:
                 self.kv.share_prefill(req)
         self._store_prompt_logprobs(b, out)
+        faulted: dict[str, Finish] = {}  # requests whose own bookkeeping raised: they alone fail
         for i, req in enumerate(b.sampled):
-            token = out.next_token_ids[i]
-            req.output_ids.append(token)
-            if req.guide is not None and token not in self.eos_ids:
-                # NOTE: is_finished() only means "accepting": more tokens may still follow
-                req.guide.advance(token, return_tokens=False)
-            if req.return_logprob:
-                req.output_logprobs.append(out.logprobs[i])
-                if req.top_logprobs_num:
-                    k = req.top_logprobs_num
-                    req.output_top_logprobs.append(list(zip(out.top_logprobs[i][:k], out.top_logprob_ids[i][:k])))
+            try:
+                self._append_sampled(req, out, i)
+            except Exception:  # noqa: BLE001 - a bug in one request's constraint must not stop the rest
+                faulted[req.rid] = self._internal_error(req, "taking its sampled token")
         outputs, self._ended = self._ended, []
         for req in b.reqs:
             if b.mode is ForwardMode.EXTEND and req is self.chunked:
                 continue
-            finish = self._check_finish(req)
-            if finish is None and self._may_jump(req) and self._jump_forward(req, len(b.reqs)):
-                finish = self._check_finish(req)
+            finish = faulted.get(req.rid)
+            if finish is None:
+                try:
+                    finish = self._check_finish(req)
+                    if finish is None and self._may_jump(req) and self._jump_forward(req, len(b.reqs)):
+                        finish = self._check_finish(req)
+                except Exception:  # noqa: BLE001 - as above
+                    finish = self._internal_error(req, "checking its stop conditions or jumping forward")
             if finish is not None:
                 if b.mode is ForwardMode.DECODE or b.mixed:
                     self.running.remove(req)
@@ -475,6 +475,27 @@ class Scheduler:
                     self.running.append(req)
                 outputs.append(self._output(req))
         return outputs
+
+    def _append_sampled(self, req: Req, out: WorkerOutput, i: int) -> None:
+        token = out.next_token_ids[i]
+        req.output_ids.append(token)
+        if req.guide is not None and token not in self.eos_ids:
+            # NOTE: is_finished() only means "accepting": more tokens may still follow
+            req.guide.advance(token, return_tokens=False)
+        if req.return_logprob:
+            req.output_logprobs.append(out.logprobs[i])
+            if req.top_logprobs_num:
+                k = req.top_logprobs_num
+                req.output_top_logprobs.append(list(zip(out.top_logprobs[i][:k], out.top_logprob_ids[i][:k])))
+
+    def _internal_error(self, req: Req, doing: str) -> Finish:
+        """How a request ends when our own code raised on it after a good forward pass: a 500
+        naming an error id (the log has the traceback under it). Its output may be half updated,
+        so none of its own KV goes to the prefix cache: only the prefix it already shared stays."""
+        error_id = uuid.uuid4().hex[:12]
+        log.exception("request %s failed while %s (error id %s)", req.rid, doing, error_id)
+        self.kv.truncate(req, req.prefix_len)
+        return Finish(FinishKind.ABORT, f"internal error (error id {error_id})", status=500)
 
     def _fail(self, b: ScheduledBatch) -> list[TokenOutput]:
         """The model raised on batch `b`: its requests end with a 500 naming an error id (the log has

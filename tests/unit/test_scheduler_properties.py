@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import pytest
 import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
@@ -168,3 +169,48 @@ def test_every_request_ends_once_with_the_oracles_tokens(arrivals, page_size, sp
     kv = sched.kv
     assert kv.cache.locked_pages == 0
     assert kv.allocator.num_free_pages + kv.cache.evictable_pages == kv.num_pages
+
+
+@pytest.mark.parametrize("site", ["_append_sampled", "_check_finish"])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_fault_in_one_requests_bookkeeping_fails_it_alone(site, page_size, caplog):
+    """Our code raising on one request after a good forward pass (taking its token, checking its
+    stop conditions) ends that request with a 500 and an error id; the others finish exactly."""
+    sched = Scheduler(ServerArgs(max_running_requests=4, debug_accounting=True), EchoWorker(48, page_size, 4))
+    prompts = {"r0": [3, 4, 5, 6, 11, 12], "r1": [3, 4, 5, 6, 11, 13, 14], "r2": [9, 10]}
+    for rid, prompt in prompts.items():
+        sched.add_request(TokenizedRequest(rid, prompt, SamplingParams(max_new_tokens=12, ignore_eos=True,
+                                                                       temperature=0)))
+    real = getattr(sched, site)
+
+    def faulty(req, *rest):
+        if req.rid == "r1" and len(req.output_ids) == 3:
+            raise RuntimeError("injected")
+        return real(req, *rest)
+
+    setattr(sched, site, faulty)
+    tokens = {rid: [] for rid in prompts}
+    finishes = {rid: [] for rid in prompts}
+    while sched.has_work:
+        for out in sched.step():
+            tokens[out.rid] += out.new_token_ids
+            if out.finish_reason:
+                finishes[out.rid].append(out.finish_reason)
+    assert [f["type"] for f in finishes["r0"] + finishes["r2"]] == ["length", "length"]
+    assert tokens["r0"] == reference(prompts["r0"], 12, True) and tokens["r2"] == reference(prompts["r2"], 12, True)
+    [failed] = finishes["r1"]
+    assert failed["type"] == "abort" and failed["status"] == 500 and "error id" in failed["message"], failed
+    assert failed["message"].split("error id ")[1].rstrip(")") in caplog.text
+    assert tokens["r1"] == reference(prompts["r1"], 12, True)[: len(tokens["r1"])]
+    sched.check_accounting()
+    assert sched.kv.cache.locked_pages == 0
+    assert sched.kv.allocator.num_free_pages + sched.kv.cache.evictable_pages == sched.kv.num_pages
+    # what the failed request left in the cache is sound: the same prompt again decodes exactly
+    setattr(sched, site, real)
+    sched.add_request(TokenizedRequest("again", prompts["r1"], SamplingParams(max_new_tokens=12, temperature=0,
+                                                                              ignore_eos=True)))
+    again = []
+    while sched.has_work:
+        again += [t for out in sched.step() for t in out.new_token_ids]
+    assert again == reference(prompts["r1"], 12, True) and not sched.kv.cache.locked_pages
+    assert not sched.worker.broken
