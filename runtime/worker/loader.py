@@ -71,7 +71,8 @@ def load_config(src: ModelSource) -> ModelConfig:
 
 class Weight:
     """A checkpoint tensor that is read only as far as asked: a tensor-parallel rank takes its rows
-    or columns (from safetensors, only those bytes leave the file), everyone else the whole."""
+    or columns (from safetensors only those bytes leave the file, from GGUF only those quant blocks
+    are dequantized), everyone else the whole."""
 
     def __init__(self, source: Any, shape: Sequence[int], dtype: torch.dtype | None = None) -> None:
         self._source, self.shape, self.dtype = source, tuple(shape), dtype  # source: a tensor or a safetensors slice
@@ -96,7 +97,7 @@ def iter_weights(src: ModelSource, config: ModelConfig) -> Iterator[tuple[str, W
     """Yield (HF parameter name, Weight) pairs; dtype is whatever the file holds (GGUF: float32)."""
     if src.is_gguf:
         for name, tensor in _iter_gguf(src.path, config):
-            yield name, Weight(tensor, tensor.shape)
+            yield name, Weight(tensor, tensor.shape)  # dequantized when a rank reads its part
     else:
         yield from _iter_safetensors(src.path)
 
@@ -155,22 +156,58 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    from gguf.quants import dequantize
-
+def _iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, GGUFTensor]]:
     reader = _gguf_reader(path)
     permuted = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
     for t in reader.tensors:
         name = gguf_to_hf_name(t.name)
         if name is None:
             continue
-        w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+        heads = None
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = _unpermute_rows(w, config.num_heads)
+            heads = config.num_heads
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = _unpermute_rows(w, config.num_kv_heads)
-        # copy: unquantized tensors are read-only views of the memory-mapped file
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+            heads = config.num_kv_heads
+        yield name, GGUFTensor(t, heads)
+
+
+class GGUFTensor:
+    """A GGUF tensor dequantized to float32 only as far as it is indexed: `[a:b]` reads rows a..b,
+    `[:, a:b]` the quant blocks that cover columns a..b of each row, so a tensor-parallel rank
+    dequantizes its own slice alone. `heads`: undo llama.cpp's q/k row permutation, which
+    stays within each head (whole heads are read, then trimmed to the rows asked for)."""
+
+    def __init__(self, tensor: Any, heads: int | None = None) -> None:
+        from gguf.constants import GGML_QUANT_SIZES
+
+        self._t = tensor
+        self.shape = tuple(int(d) for d in reversed(tensor.shape))
+        self._head_rows = self.shape[0] // heads if heads else 1
+        self._block = GGML_QUANT_SIZES[tensor.tensor_type][0]  # columns per quant block (1: unquantized)
+
+    def __getitem__(self, key: slice | tuple[slice, slice]) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        rows, cols = key if isinstance(key, tuple) else (key, slice(None))
+        r0, r1, _ = rows.indices(self.shape[0])
+        h = self._head_rows
+        a, b = r0 // h * h, -(-r1 // h) * h
+        data = self._t.data[a:b]
+        c0, skip = 0, 0
+        if len(self.shape) == 2:
+            c0, c1, _ = cols.indices(self.shape[1])
+            q = self._block
+            first, last = c0 // q, -(-c1 // q)
+            per_block = data.shape[1] // (self.shape[1] // q)  # bytes (elements when unquantized) per block
+            data = data[:, first * per_block : last * per_block]
+            skip, c1 = c0 - first * q, c1 - first * q
+        w = dequantize(np.ascontiguousarray(data), self._t.tensor_type)
+        if len(self.shape) == 2:
+            w = w.reshape(b - a, -1)[:, skip:c1]
+        if h > 1:
+            w = _unpermute_rows(w, (b - a) // h)
+        # a copy: unquantized data are read-only views of the memory-mapped file
+        return torch.from_numpy(np.array(w[r0 - a : r1 - a], dtype=np.float32, copy=True))
 
 
 @functools.lru_cache(maxsize=4)

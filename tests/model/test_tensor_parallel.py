@@ -99,12 +99,17 @@ def test_a_dead_rank_takes_the_server_down_with_a_named_error(tiny_llama):
     assert all_gone(everyone), "processes outlived the server"  # multiprocessing's resource tracker takes a moment
 
 
-def test_a_rank_reads_only_its_shards(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("model,size", [("tiny safetensors", 2), ("SmolLM2 GGUF", 3)])
+def test_a_rank_reads_only_its_shards(model, size, request, monkeypatch):
+    """Rank 1 reads (safetensors) or dequantizes (GGUF) only its share of each matrix, and its
+    shares are the right parts of the whole."""
+    import gguf.quants
+
     from runtime.worker import loader
     from runtime.worker.models.llama import ARCHITECTURES
     from runtime.worker.parallel import TPContext
 
-    src = loader.resolve_model(tiny_llama.path)
+    src = loader.resolve_model(request.getfixturevalue("tiny_llama").path if model.startswith("tiny") else None)
     cfg = loader.load_config(src)
     whole = ARCHITECTURES[cfg.architecture](cfg, TPContext())
     whole.load_weights(loader.iter_weights(src, cfg))
@@ -112,14 +117,20 @@ def test_a_rank_reads_only_its_shards(tiny_llama, monkeypatch):
     read: list[int] = []
     original = loader.Weight._read
     monkeypatch.setattr(loader.Weight, "_read", lambda self, t: (read.append(t.numel()), original(self, t))[1])
-    rank1 = ARCHITECTURES[cfg.architecture](cfg, TPContext(rank=1, size=2))  # loading needs no process group
+    dequantized: list[int] = []
+    dequantize = gguf.quants.dequantize
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda *a: (out := dequantize(*a), dequantized.append(out.size))[0])
+    rank1 = ARCHITECTURES[cfg.architecture](cfg, TPContext(rank=1, size=size))  # loading needs no process group
     rank1.load_weights(loader.iter_weights(src, cfg))
-    assert sum(read) < 0.55 * total, (sum(read), total)  # half of every matrix, the (tiny) norms whole
+    share = 1 / size + 0.05  # a share of every matrix, the (small) norms whole
+    assert sum(read) < share * total, (sum(read), total)
+    assert sum(dequantized) < share * total and bool(dequantized) == src.is_gguf, (sum(dequantized), total)
     down, down1 = whole.layers[0].mlp.down_proj.weight, rank1.layers[0].mlp.down_proj.weight
-    assert torch.equal(down1, down[:, down.shape[1] // 2 :])
-    q_rows = cfg.num_heads * cfg.head_dim // 2
+    cols = down.shape[1] // size
+    assert torch.equal(down1, down[:, cols : 2 * cols])
+    q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    q1, kv1 = q_rows // size, kv_rows // size
     qkv, qkv1 = whole.layers[1].self_attn.qkv_proj.weight, rank1.layers[1].self_attn.qkv_proj.weight
-    assert torch.equal(qkv1[:q_rows], qkv[q_rows : 2 * q_rows])  # rank 1's query heads
-    kv_rows = cfg.num_kv_heads * cfg.head_dim
-    assert torch.equal(qkv1[q_rows:], torch.cat([qkv[2 * q_rows + kv_rows // 2 : 2 * q_rows + kv_rows],
-                                                 qkv[2 * q_rows + kv_rows + kv_rows // 2 :]]))  # its K and V heads
+    assert torch.equal(qkv1[:q1], qkv[q1 : 2 * q1])  # rank 1's query heads
+    assert torch.equal(qkv1[q1:], torch.cat([qkv[q_rows + kv1 : q_rows + 2 * kv1],
+                                             qkv[q_rows + kv_rows + kv1 : q_rows + kv_rows + 2 * kv1]]))  # its K, V

@@ -65,3 +65,36 @@ def test_rope_parameters_of_transformers_v5_are_read():
 def test_unsupported_architecture_names_the_supported_ones():
     with pytest.raises(UnsupportedModelError, match="Qwen3ForCausalLM"):
         ModelConfig.from_hf(_hf_config(architectures=["FalconForCausalLM"]))
+
+
+def test_gguf_slices_equal_the_slices_of_the_whole_tensor():
+    """A tensor-parallel rank dequantizes only its rows or columns of a GGUF tensor: what it reads
+    equals the same part of the whole tensor, dequantized and un-permuted in one go."""
+    from gguf.quants import dequantize
+
+    from runtime.worker.loader import _gguf_reader, _iter_gguf, load_config
+
+    src = resolve_model(None)
+    config = load_config(src)
+    raw = {gguf_to_hf_name(t.name): t for t in _gguf_reader(src.path).tensors}
+    seen = set()
+    for name, lazy in _iter_gguf(src.path, config):
+        kind = (name.split(".")[-2], len(lazy.shape))
+        if kind in seen:
+            continue  # one of each: the layers repeat
+        seen.add(kind)
+        t = raw[name]
+        whole = dequantize(t.data, t.tensor_type).reshape(lazy.shape)
+        if name.endswith("q_proj.weight"):
+            whole = _unpermute_rows(whole, config.num_heads)
+        elif name.endswith("k_proj.weight"):
+            whole = _unpermute_rows(whole, config.num_kv_heads)
+        np.testing.assert_array_equal(lazy[:].numpy(), whole, err_msg=name)
+        n = lazy.shape[0]
+        for start, stop in ((0, n // 2), (n // 2, n), (5, n // 3 + 7), (n - 3, n + 10)):  # n + 10: a padded vocabulary share
+            np.testing.assert_array_equal(lazy[start:stop].numpy(), whole[start:stop], err_msg=f"{name} rows")
+        if len(lazy.shape) == 2:
+            m = lazy.shape[1]
+            for start, stop in ((0, m // 2), (m // 2, m), (7, m - 33)):
+                np.testing.assert_array_equal(lazy[:, start:stop].numpy(), whole[:, start:stop], err_msg=f"{name} cols")
+    assert {"q_proj", "k_proj", "down_proj", "embed_tokens"} <= {k for k, _ in seen}
