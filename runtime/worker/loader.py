@@ -193,17 +193,16 @@ class GGUFTensor:
         h = self._head_rows
         a, b = r0 // h * h, -(-r1 // h) * h
         data = self._t.data[a:b]
-        c0, skip = 0, 0
         if len(self.shape) == 2:
             c0, c1, _ = cols.indices(self.shape[1])
             q = self._block
             first, last = c0 // q, -(-c1 // q)
             per_block = data.shape[1] // (self.shape[1] // q)  # bytes (elements when unquantized) per block
             data = data[:, first * per_block : last * per_block]
-            skip, c1 = c0 - first * q, c1 - first * q
+            cols = slice(c0 - first * q, c1 - first * q)  # within the blocks read
         w = dequantize(np.ascontiguousarray(data), self._t.tensor_type)
         if len(self.shape) == 2:
-            w = w.reshape(b - a, -1)[:, skip:c1]
+            w = w.reshape(b - a, -1)[:, cols]
         if h > 1:
             w = _unpermute_rows(w, (b - a) // h)
         # a copy: unquantized data are read-only views of the memory-mapped file
