@@ -7,7 +7,7 @@
 The mix (seeded): native /generate, OpenAI completions and chat; half streamed;
 one in six constrained (regex or JSON schema); a quarter of the chats offer a
 tool (`tool_choice` auto or required); prompts share one of four long
-system prompts; 20% of streams are dropped after a few events and 6% of the
+system prompts; 30% of streams are dropped after a few events and 6% of the
 others time out on the client side; 2% are bad requests that must get a 400.
 Requests arrive in bursts (up to --burst at once) that need far more KV than the
 pool holds (the server it starts gets --max-total-tokens 2048), so requests
@@ -82,7 +82,7 @@ def make_plans(n: int, seed: int) -> list[Plan]:
             constraint=rng.choice(["regex", "json"]) if rng.random() < 1 / 6 else None,
             prompt=f"{rng.choice(SYSTEM_PROMPTS)}\nRequest {i}: tell me about item {rng.randrange(10**6)}.",
             max_tokens=rng.randint(4, 24),
-            drop_after=rng.randint(1, 2) if stream and not bad and rng.random() < 0.2 else None,
+            drop_after=rng.randint(1, 2) if stream and not bad and rng.random() < 0.3 else None,
             client_timeout=rng.uniform(0.05, 0.5) if not stream and not bad and rng.random() < 0.06 else None,
             bad=bad,
         ))
