@@ -151,10 +151,9 @@ def _row(w: Workload, system: str, wall: float, outputs: list[list[int]], cached
 
 
 def load_hf(path: str) -> Any:
-    import transformers
+    from runtime.hf_reference import load_hf_model
 
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+    return load_hf_model(path)
 
 
 def warm_up(engine: LocalEngine, hf: Any, pad_id: int) -> None:

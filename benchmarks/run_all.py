@@ -233,10 +233,10 @@ class HFStatic:
     name = "hf-static"
 
     def __init__(self, path: str) -> None:
-        import transformers
+        from runtime.tokenizer.loader import load_tokenizer
+        from runtime.worker.loader import resolve_model
 
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
-                                                                    gguf_file=os.path.basename(path))
+        self.tokenizer = load_tokenizer(resolve_model(path))  # transformers' conversion, cached
         self.model = load_hf(path)
         self.pad = self.tokenizer.eos_token_id
         hf_generate(self.model, [[100] * 8, [200] * 12], 4, self.pad)  # warm up

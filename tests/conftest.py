@@ -116,8 +116,7 @@ SMOL_QUESTIONS = [
 
 class Smol:
     def __init__(self, tokenizer) -> None:
-        import transformers
-
+        from runtime.hf_reference import load_hf_model
         from runtime.local_engine import LocalEngine
 
         self.path = smollm2_path()
@@ -125,8 +124,7 @@ class Smol:
         tok = self.engine.tokenizer
         self.prompts = [tok.encode(self.engine.apply_chat_template([{"role": "user", "content": q}]),
                                    add_special_tokens=False) for q in SMOL_QUESTIONS]
-        self.hf = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(self.path), gguf_file=os.path.basename(self.path), dtype=torch.float32).eval()
+        self.hf = load_hf_model(self.path)
         self.refs = hf_greedy(self.hf, self.prompts, NEW_TOKENS)
 
     def engine_with(self, **kwargs):
