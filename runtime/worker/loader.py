@@ -191,18 +191,19 @@ class GGUFTensor:
         rows, cols = key if isinstance(key, tuple) else (key, slice(None))
         r0, r1, _ = rows.indices(self.shape[0])
         h = self._head_rows
-        a, b = r0 // h * h, -(-r1 // h) * h
-        data = self._t.data[a:b]
-        if len(self.shape) == 2:
+        if len(self.shape) == 1:  # a norm or a bias: small, and its quant blocks (if any) span rows
+            a, b = 0, self.shape[0]
+            w = dequantize(np.asarray(self._t.data), self._t.tensor_type)
+        else:
+            a, b = r0 // h * h, -(-r1 // h) * h
             c0, c1, _ = cols.indices(self.shape[1])
             q = self._block
             first, last = c0 // q, -(-c1 // q)
+            data = self._t.data[a:b]
             per_block = data.shape[1] // (self.shape[1] // q)  # bytes (elements when unquantized) per block
             data = data[:, first * per_block : last * per_block]
-            cols = slice(c0 - first * q, c1 - first * q)  # within the blocks read
-        w = dequantize(np.ascontiguousarray(data), self._t.tensor_type)
-        if len(self.shape) == 2:
-            w = w.reshape(b - a, -1)[:, cols]
+            w = dequantize(np.ascontiguousarray(data), self._t.tensor_type)
+            w = w.reshape(b - a, -1)[:, c0 - first * q : c1 - first * q]
         if h > 1:
             w = _unpermute_rows(w, (b - a) // h)
         # a copy: unquantized data are read-only views of the memory-mapped file

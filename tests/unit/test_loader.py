@@ -98,3 +98,27 @@ def test_gguf_slices_equal_the_slices_of_the_whole_tensor():
             for start, stop in ((0, m // 2), (m // 2, m), (7, m - 33)):
                 np.testing.assert_array_equal(lazy[:, start:stop].numpy(), whole[:, start:stop], err_msg=f"{name} cols")
     assert {"q_proj", "k_proj", "down_proj", "embed_tokens"} <= {k for k, _ in seen}
+
+
+@pytest.mark.parametrize("shape", [(96,), (6, 96)])
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_1"])
+def test_gguf_tensor_slices_of_any_type_and_rank(shape, qtype):
+    """Quantized 1-D tensors pack their blocks across rows: a row slice must not index the bytes."""
+    from types import SimpleNamespace
+
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from runtime.worker.loader import GGUFTensor
+
+    kind = GGMLQuantizationType[qtype]
+    values = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    data = quantize(values, kind) if kind not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) \
+        else values.astype(np.float16 if qtype == "F16" else np.float32)
+    whole = dequantize(data, kind).reshape(shape)
+    lazy = GGUFTensor(SimpleNamespace(data=data, tensor_type=kind, shape=list(reversed(shape))))
+    np.testing.assert_array_equal(lazy[:].numpy(), whole)
+    np.testing.assert_array_equal(lazy[1:5].numpy(), whole[1:5])
+    if len(shape) == 2:
+        np.testing.assert_array_equal(lazy[:, 5:70].numpy(), whole[:, 5:70])
+        np.testing.assert_array_equal(lazy[2:4, 32:64].numpy(), whole[2:4, 32:64])
