@@ -16,6 +16,8 @@ from typing import Any, Mapping
 
 
 DTYPES = ("int", "float", "bool", "str")
+# The fields that constrain the output's form, at most one per request (each compiles to an automaton)
+CONSTRAINTS = ("regex", "json_schema", "dtype", "structural_tag")
 
 
 class SamplingParamsError(ValueError):
@@ -124,7 +126,7 @@ class SamplingParams:
         _require(self.n >= 1, "n", self.n, ">= 1")
         if "" in self.stop:
             raise SamplingParamsError("stop strings must be non-empty; got an empty string in stop")
-        constraints = [k for k in ("regex", "json_schema", "dtype", "structural_tag") if getattr(self, k) is not None]
+        constraints = [k for k in CONSTRAINTS if getattr(self, k) is not None]
         if len(constraints) > 1:
             raise SamplingParamsError(f"{' and '.join(constraints)} are mutually exclusive; set at most one")
         if self.dtype is not None and self.dtype not in DTYPES:

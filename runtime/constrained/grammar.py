@@ -25,17 +25,14 @@ from outlines_core import Guide, Vocabulary
 from runtime.constrained import compile_worker
 from runtime.constrained.constraint_regex import ConstraintKey, GrammarError, uses_end_mark
 from runtime.constrained.jump_forward import Grammar, JumpForward
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import CONSTRAINTS, SamplingParams
 
 def constraint_key(params: SamplingParams) -> ConstraintKey | None:
-    if params.regex is not None:
-        return ("regex", params.regex)
-    if params.json_schema is not None:
-        return ("json_schema", params.json_schema)
-    if params.structural_tag is not None:
-        return ("structural_tag", params.structural_tag)
-    if params.dtype is not None:
-        return ("dtype", params.dtype)
+    """(kind, text) of the request's constraint (validation leaves at most one), or None."""
+    for kind in CONSTRAINTS:
+        text = getattr(params, kind)
+        if text is not None:
+            return (kind, text)
     return None
 
 

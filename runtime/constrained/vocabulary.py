@@ -44,6 +44,8 @@ from typing import Any
 
 from outlines_core import Vocabulary
 
+from runtime.constrained.constraint_regex import END_MARK
+
 SPIECE_SPACE = "\u2581"  # '▁', SentencePiece's visible stand-in for a space
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback token, e.g. '<0x0A>'
 
@@ -74,8 +76,6 @@ def vocabulary_from_bytes(table: Sequence[bytes | None], eos_token_id: int) -> V
     """The Vocabulary of a `token_bytes` table (tokens with the same bytes share one key), plus the
     end mark's token, id `len(table)` (see constraint_regex.END_MARK); real tokens holding the mark's
     byte (a NUL: no text a constraint should produce) are left out."""
-    from runtime.constrained.constraint_regex import END_MARK
-
     groups: dict[bytes, list[int]] = {END_MARK: [end_token_id(table)]}
     for token_id, raw in enumerate(table):
         if raw and END_MARK not in raw:  # an empty token would let the guide loop in place forever
