@@ -71,6 +71,7 @@ class LocalEngine(GenerateAPI):
                     collected[out.rid].append(out)
                     if out.finished:
                         pending.discard(out.rid)
+            self.scheduler.wait_for_constraints(timeout=1.0)  # returns at once unless only compiles are left
         return [self._result(tr, collected[tr.rid]) for tr in requests]
 
     def _result(self, tr: TokenizedRequest, outs: list[TokenOutput]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Sequence
 
 from runtime.messages import ClientOutput, GenerateRequest
+from runtime.sampling_params import sample_seed
 
 MAX_BATCH = 1024  # prompts x n in one call
 
@@ -93,7 +94,7 @@ def native_requests(body: dict[str, Any]) -> tuple[list[GenerateRequest], bool]:
                 input_ids=prompt if ids is not None else None,
                 messages=prompt if chat is not None else None,
                 tools=tools,
-                sampling_params={k: v for k, v in p.items() if k != "n"},
+                sampling_params=_sample_params(p, j),
                 return_logprob=bool(body.get("return_logprob", False)),
                 logprob_start_len=_int(body, "logprob_start_len", -1),
                 top_logprobs_num=_int(body, "top_logprobs_num", 0),
@@ -101,6 +102,15 @@ def native_requests(body: dict[str, Any]) -> tuple[list[GenerateRequest], bool]:
                 stream=bool(body.get("stream", False)),
             ))
     return reqs, single and len(reqs) == 1
+
+
+def _sample_params(params: dict[str, Any], index: int) -> dict[str, Any]:
+    """The sampling params of sample `index` of n: a seed gives each sample its own stream."""
+    out = {k: v for k, v in params.items() if k != "n"}
+    seed = out.get("seed")
+    if index and isinstance(seed, int) and not isinstance(seed, bool):
+        out["seed"] = sample_seed(seed, index)
+    return out
 
 
 def _prompts(text: Any, ids: Any, chat: Any) -> tuple[list[Any], bool]:

@@ -8,6 +8,7 @@ is what the HTTP / Engine edge calls on untrusted input.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import numbers
@@ -18,6 +19,15 @@ from typing import Any, Mapping
 DTYPES = ("int", "float", "bool", "str")
 # The fields that constrain the output's form, at most one per request (each compiles to an automaton)
 CONSTRAINTS = ("regex", "json_schema", "dtype", "structural_tag")
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of the n drawn for one request with `seed`. Sample 0 keeps the
+    seed (so it is the n=1 result); the others get streams of their own, the same run to run."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # a non-negative int64
 
 
 class SamplingParamsError(ValueError):

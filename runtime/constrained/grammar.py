@@ -11,11 +11,13 @@ unconstrained rows stay all-ones.
 
 from __future__ import annotations
 
+import os
 import select
 import subprocess
 import threading
+import time
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
 
@@ -42,29 +44,92 @@ class GrammarCompiler:
     Each of `workers` threads drives one child process (compile_worker.py) that holds the
     vocabulary and builds Indexes; a build that runs past `timeout_s` kills its child (the
     next build starts a fresh one), so an exploding automaton costs one request, not a core.
+
+    Every outcome, a failure too, is kept by key and answered to every request that asks for
+    that key (successes LRU, failures for `failure_ttl_s`): a compile runs once however many
+    requests wait on it, and a bad constraint sent a thousand times costs one compile.
+    `ready_fd` turns readable when a compile ends, so a waiting caller can sleep in select.
     """
 
     def __init__(self, vocabulary: Vocabulary, end_token: int, workers: int = 2, cache_size: int = 256,
-                 timeout_s: float = 30.0, jump_forward: JumpForward | None = None) -> None:
+                 timeout_s: float = 30.0, jump_forward: JumpForward | None = None,
+                 failure_ttl_s: float = 60.0) -> None:
         """`vocabulary` holds the end mark's token, `end_token` (vocabulary_from_bytes adds it)."""
         self.jump_forward = jump_forward
         self.timeout_s = timeout_s
+        self.failure_ttl_s = failure_ttl_s
         self.vocabulary = vocabulary
         self.end_token = end_token
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="radixlm-grammar")
         self._local = threading.local()  # each pool thread's child process
         self._children: list[subprocess.Popen] = []
         self._children_lock = threading.Lock()
+        self._wakeup = _Wakeup()
         # the children go when the compiler does, even when no one calls shutdown
-        self.shutdown = weakref.finalize(self, _stop, self._pool, self._children)
-        self._cache: OrderedDict[ConstraintKey, Grammar] = OrderedDict()
+        self.shutdown = weakref.finalize(self, _stop, self._pool, self._children, self._wakeup)
+        # NOTE: the pool threads finish compiles while the caller submits and polls: _lock guards
+        # what follows. Reentrant: a future that is already done runs its callback at once.
+        self._lock = threading.RLock()
+        self._results: OrderedDict[ConstraintKey, Grammar | GrammarError] = OrderedDict()
+        self._failed_at: dict[ConstraintKey, float] = {}  # when each failure in _results was found
         self._cache_size = cache_size
         self._compiling: dict[ConstraintKey, Future] = {}
+        self._waiters: Counter[ConstraintKey] = Counter()
+
+    @property
+    def ready_fd(self) -> int:
+        """A descriptor that is readable once some compile has ended since the last `drain_ready`."""
+        return self._wakeup.read_fd
+
+    def drain_ready(self) -> None:
+        self._wakeup.drain()
 
     def submit(self, key: ConstraintKey) -> None:
-        if key in self._cache or key in self._compiling:
+        """One more request waits on `key`; its compile starts unless its outcome is known or coming."""
+        with self._lock:
+            self._waiters[key] += 1
+            self._start(key)
+
+    def forget(self, key: ConstraintKey) -> None:
+        """A request that waited on `key` is gone; a compile no one waits on any more and that has
+        not started yet is dropped."""
+        with self._lock:
+            self._waiters[key] -= 1
+            if self._waiters[key] > 0:
+                return
+            del self._waiters[key]
+            future = self._compiling.get(key)
+            if future is not None and future.cancel():
+                del self._compiling[key]
+
+    def _start(self, key: ConstraintKey) -> None:
+        if key in self._failed_at and time.monotonic() - self._failed_at[key] > self.failure_ttl_s:
+            del self._results[key], self._failed_at[key]  # a failure is retried after a while
+        if key in self._results or key in self._compiling:
             return
-        self._compiling[key] = self._pool.submit(self._compile, key)
+        future = self._pool.submit(self._compile, key)
+        self._compiling[key] = future
+        future.add_done_callback(lambda f: self._finished(key, f))
+
+    def _finished(self, key: ConstraintKey, future: Future) -> None:
+        """The pool thread's last word on a compile: its outcome is kept for every waiter."""
+        if future.cancelled():
+            return
+        error = future.exception()
+        with self._lock:
+            if self._compiling.get(key) is not future:
+                return
+            del self._compiling[key]
+            if error is None:
+                self._results[key] = future.result()
+            else:
+                self._results[key] = error if isinstance(error, GrammarError) else GrammarError(
+                    f"compiling the {key[0]} constraint failed: {error}")
+                self._failed_at[key] = time.monotonic()
+            while len(self._results) > self._cache_size:
+                old, _ = self._results.popitem(last=False)
+                self._failed_at.pop(old, None)
+        self._wakeup.notify()
 
     def _compile(self, key: ConstraintKey) -> Grammar:
         child = self._child()
@@ -92,35 +157,64 @@ class GrammarCompiler:
         return child
 
     def poll(self, key: ConstraintKey) -> Grammar | GrammarError | None:
-        """The Grammar when ready, the error if compiling failed or timed out, else None."""
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return self._cache[key]
-        future = self._compiling[key]
-        if not future.done():
+        """The Grammar when ready, the error if compiling failed or timed out, else None.
+        The same answer goes to every request that polls `key`."""
+        with self._lock:
+            result = self._results.get(key)
+            if result is not None:
+                self._results.move_to_end(key)
+                return result
+            self._start(key)  # (its outcome was evicted before this waiter saw it: compile again)
             return None
-        del self._compiling[key]
-        error = future.exception()
-        if error is not None:
-            return error if isinstance(error, GrammarError) else GrammarError(str(error))
-        self._cache[key] = future.result()
-        if len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
-        return self._cache[key]
 
-    def wait_any(self, timeout: float) -> None:
-        """Block until some compile finishes (or `timeout`): lets an idle scheduler sleep."""
-        futures = list(self._compiling.values())
-        if futures:
-            from concurrent.futures import FIRST_COMPLETED, wait
-
-            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+    @property
+    def num_compiling(self) -> int:
+        with self._lock:
+            return len(self._compiling)
 
 
-def _stop(pool: ThreadPoolExecutor, children: list[subprocess.Popen]) -> None:
+class _Wakeup:
+    """A self-pipe: `notify` from any thread makes `read_fd` readable until `drain`."""
+
+    def __init__(self) -> None:
+        self.read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        os.set_blocking(self._write_fd, False)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def notify(self) -> None:
+        with self._lock:  # NOTE: never write to a closed descriptor: its number may be another file's now
+            if self._closed:
+                return
+            try:
+                os.write(self._write_fd, b"\0")
+            except BlockingIOError:  # full: the reader has plenty to wake on
+                pass
+
+    def drain(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                while os.read(self.read_fd, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                os.close(self.read_fd)
+                os.close(self._write_fd)
+
+
+def _stop(pool: ThreadPoolExecutor, children: list[subprocess.Popen], wakeup: _Wakeup) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
     for child in children:
         _kill(child)
+    wakeup.close()
 
 
 def _kill(child: subprocess.Popen) -> None:

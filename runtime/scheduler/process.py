@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import uuid
 from multiprocessing.connection import Connection
 
 import zmq
@@ -13,7 +14,7 @@ from runtime.args import ServerArgs
 from runtime.constrained.grammar import compiler_factory
 from runtime.messages import AbortRequest, BatchTokenOutput, ControlOutput, ControlRequest, TokenizedRequest, TokenOutput
 from runtime.sampling_params import SamplingParamsError
-from runtime.scheduler.scheduler import RequestError, Scheduler
+from runtime.scheduler.scheduler import DeviceLost, RequestError, Scheduler
 
 log = logging.getLogger("radixlm.scheduler")
 
@@ -39,14 +40,30 @@ class SchedulerProcess:
         self.outbox = ipc.socket(self.ctx, zmq.PUSH, send_to, bind=False)
 
     def run_forever(self) -> None:
+        s = self.scheduler
         while True:
-            self._receive(block=not self.scheduler.has_work)
-            if self.scheduler.has_work:
-                self._send(self.scheduler.step())
+            self._receive(block=not s.has_runnable_work)
+            if s.has_work:
+                try:
+                    outputs = s.step()
+                except DeviceLost as e:
+                    self._send(s.fail_all(str(e)))
+                    log.critical("%s; the scheduler exits so that the server stops", e, exc_info=e)
+                    raise SystemExit(1) from None
+                self._send(outputs)
 
     def _receive(self, block: bool) -> None:
+        """Take every message waiting; with `block`, first sleep until a message comes or, while
+        requests wait on their constraints, a compile ends (never spinning meanwhile)."""
         if block:
-            self.inbox.poll()
+            poller = zmq.Poller()
+            poller.register(self.inbox, zmq.POLLIN)
+            fd = self.scheduler.compile_wakeup_fd
+            if fd is not None:
+                poller.register(fd, zmq.POLLIN)
+            poller.poll()
+            if fd is not None:
+                self.scheduler.grammar.drain_ready()
         while self.inbox.poll(0):
             self._handle(ipc.decode(self.inbox.recv()))
 
@@ -56,6 +73,10 @@ class SchedulerProcess:
                 self.scheduler.add_request(msg)
             except (RequestError, SamplingParamsError) as e:
                 self._send([_refused(msg, str(e))])
+            except Exception:  # noqa: BLE001 - our bug, on this request alone: a 500, and serve on
+                error_id = uuid.uuid4().hex[:12]
+                log.exception("taking request %s failed (error id %s)", msg.rid, error_id)
+                self._send([_refused(msg, f"internal error while taking the request (error id {error_id})", 500)])
         elif isinstance(msg, AbortRequest):
             out = self.scheduler.abort(msg.rid)
             if out is not None:
@@ -102,9 +123,9 @@ class SchedulerProcess:
             self.outbox.send(ipc.encode(BatchTokenOutput(outputs)))
 
 
-def _refused(req: TokenizedRequest, message: str) -> TokenOutput:
+def _refused(req: TokenizedRequest, message: str, status: int = 400) -> TokenOutput:
     return TokenOutput(req.rid, [], len(req.input_ids), 0, 0, finish_reason={"type": "abort", "message": message,
-                                                                               "status": 400})
+                                                                               "status": status})
 
 
 def run_scheduler_process(args: ServerArgs, recv_from: str, send_to: str, ready: Connection) -> None:

@@ -13,6 +13,7 @@ and `step` are its API.
 from __future__ import annotations
 
 import logging
+import select
 import uuid
 from dataclasses import dataclass
 from typing import Callable
@@ -48,6 +49,11 @@ class RequestError(ValueError):
     """A request the scheduler cannot take (the message says why)."""
 
 
+class DeviceLost(RuntimeError):
+    """The model raised and the device cannot serve on (see ModelWorker.usable_after_fault): the
+    process must end so that the server stops instead of failing every request from now on."""
+
+
 @dataclass
 class ScheduledBatch:
     mode: ForwardMode
@@ -56,6 +62,7 @@ class ScheduledBatch:
     sampled: list[Req]  # requests that get a new token from this step, in sample-row order
     logprob_spans: list[tuple[Req, int, int]]  # (req, first prompt position, count) of prompt logprobs computed
     mixed: bool = False  # decode step as an extend batch, for requests jump-forward extended
+    slotted: int = 0  # how many of `reqs` (in order) have been given KV slots for this step
 
 
 class Scheduler:
@@ -103,6 +110,10 @@ class Scheduler:
             raise RequestError(f"input token ids must lie in [0, {vocab})")
         if tr.rid in self._live:
             raise RequestError(f"request id {tr.rid!r} is already in flight")
+        pool = self.kv.num_pages * self.kv.page_size
+        if pages_for(len(tr.input_ids), self.kv.page_size) > self.kv.num_pages:
+            raise RequestError(f"the prompt has {len(tr.input_ids)} tokens; the KV cache pool holds {pool} "
+                               "(raise --max-total-tokens)")
         tr.sampling_params.validate(vocab)
         room = self.context_length - len(tr.input_ids)
         if tr.sampling_params.max_new_tokens > room:
@@ -113,7 +124,7 @@ class Scheduler:
         req = Req(tr, self._arrivals)
         req.grammar_key = constraint_key(tr.sampling_params)
         if req.grammar_key is not None:
-            self.grammar.submit(req.grammar_key)
+            self._compiler().submit(req.grammar_key)
         self._live[tr.rid] = req
         (self.pending if req.grammar_key is not None else self.waiting).append(req)
         self._arrivals += 1
@@ -126,24 +137,66 @@ class Scheduler:
         self._dequeue(req)
         return self._end(req, Finish(FinishKind.ABORT, "aborted"))
 
+    def fail_all(self, message: str) -> list[TokenOutput]:
+        """Final outputs (500s) for every request in flight, touching no device memory: for a
+        scheduler that is about to exit because its device is gone."""
+        outputs = [TokenOutput(rid=req.rid, new_token_ids=[], prompt_tokens=req.prompt_len,
+                               completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
+                               finish_reason={"type": "abort", "message": message, "status": 500})
+                   for req in self._live.values()]
+        self._live.clear()
+        return outputs
+
     def _dequeue(self, req: Req) -> None:
         if req is self.chunked:
             self.chunked = None
-        for queue in (self.waiting, self.running, self.pending):
+        if req in self.pending:
+            self._leave_pending(req)
+        for queue in (self.waiting, self.running):
             if req in queue:
                 queue.remove(req)
 
+    def _leave_pending(self, req: Req) -> None:
+        self.pending.remove(req)
+        self.grammar.forget(req.grammar_key)  # a compile that no one else waits on may be dropped
+
     @property
     def grammar(self) -> GrammarCompiler:
+        """The constraint compiler; only after a constrained request was admitted (`_compiler`)."""
+        assert self._grammar is not None
+        return self._grammar
+
+    def _compiler(self) -> GrammarCompiler:
         if self._grammar is None:
             if self._make_grammar is None:
                 raise RequestError("constrained decoding (regex, json_schema) needs a tokenizer")
-            self._grammar = self._make_grammar()
+            try:
+                self._grammar = self._make_grammar()
+            except Exception as e:  # noqa: BLE001 - e.g. a model without an EOS token: refuse, serve on
+                log.exception("the constraint compiler could not start")
+                raise RequestError(f"constrained decoding is not available for this model: {e}") from None
         return self._grammar
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked or self.pending)
+
+    @property
+    def has_runnable_work(self) -> bool:
+        """Whether `step` has something to do now; else only constraints are compiling (`compile_wakeup_fd`)."""
+        return bool(self.waiting or self.running or self.chunked or self._ended)
+
+    @property
+    def compile_wakeup_fd(self) -> int | None:
+        """Readable once a constraint compile has ended: what a caller with nothing runnable sleeps on."""
+        return self._grammar.ready_fd if self.pending else None
+
+    def wait_for_constraints(self, timeout: float) -> None:
+        """Sleep until a constraint compile ends (or `timeout`), when nothing else is runnable."""
+        fd = self.compile_wakeup_fd
+        if fd is not None and not self.has_runnable_work:
+            select.select([fd], [], [], timeout)
+            self.grammar.drain_ready()
 
     @property
     def num_requests(self) -> int:
@@ -155,15 +208,20 @@ class Scheduler:
             self._promote_compiled()
         batch = self._schedule_prefill() or self._schedule_jumped() or self._schedule_decode()
         if batch is None:
-            if self.pending and not self._ended:
-                self.grammar.wait_any(timeout=0.05)  # nothing to run until a constraint compiles
             ended, self._ended = self._ended, []
             return ended
-        worker_batch = self._to_worker_batch(batch)
+        # NOTE: everything from here to the results is inside the fault boundary: a fault fails
+        # this batch's requests alone, unless it leaves the device unusable
+        try:
+            worker_batch = self._to_worker_batch(batch)
+        except Exception:  # noqa: BLE001 - our own code raised on this batch: it fails, the rest serve on
+            return self._fail(batch, "building the batch")
         try:
             result = self.worker.forward(worker_batch)
-        except Exception:  # noqa: BLE001 - the batch's requests fail; the scheduler serves on
-            return self._fail(batch)
+        except Exception as e:  # noqa: BLE001 - as above, unless the device is gone
+            if not self.worker.usable_after_fault():
+                raise DeviceLost(f"the model raised and the device is unusable: {type(e).__name__}: {e}") from e
+            return self._fail(batch, "running the model")
         self.forward_passes += 1
         self.request_passes += len(batch.reqs)
         outputs = self._process(batch, result)
@@ -174,16 +232,21 @@ class Scheduler:
     def _promote_compiled(self) -> None:
         """Requests whose constraint finished compiling join the queue (or fail with its error)."""
         for req in list(self.pending):
-            result = self.grammar.poll(req.grammar_key)
-            if result is None:
-                continue
-            self.pending.remove(req)
-            if isinstance(result, GrammarError):
-                self._ended.append(self._end(req, Finish(FinishKind.ABORT, str(result), status=400)))
-            else:
+            try:
+                result = self.grammar.poll(req.grammar_key)
+                if result is None:
+                    continue
+                self._leave_pending(req)
+                if isinstance(result, GrammarError):
+                    self._ended.append(self._end(req, Finish(FinishKind.ABORT, str(result), status=400)))
+                    continue
                 req.grammar = result
                 req.guide = Guide(result.index, max_rollback=RETOKENIZE_TOKENS)
-                self.waiting.append(req)
+            except Exception:  # noqa: BLE001 - one request's constraint must not stop the scheduler
+                self._dequeue(req)
+                self._ended.append(self._end(req, self._internal_error(req, "starting its constraint")))
+                continue
+            self.waiting.append(req)
 
     def shutdown(self) -> None:
         if self._grammar is not None:
@@ -280,12 +343,12 @@ class Scheduler:
         return n
 
     def _reject_oversized(self, req: Req) -> None:
-        """A request that cannot fit even with the whole pool to itself would wait forever: end it."""
+        """A request that cannot fit even with the whole pool to itself would wait forever: end it.
+        (Prompts are checked against the pool on arrival, so this is a retracted request that grew
+        past it: it ends at the pool's limit, like one that reaches it while decoding.)"""
         self.waiting.remove(req)
-        msg = (f"the request needs KV for {req.seq_len} tokens but the pool holds "
-               f"{self.kv.num_pages * self.kv.page_size}; raise --max-total-tokens")
-        log.error("aborting %s: %s", req.rid, msg)
-        self._ended.append(self._end(req, Finish(FinishKind.ABORT, msg)))
+        log.warning("request %s needs KV for %d tokens, more than the pool holds; it ends there", req.rid, req.seq_len)
+        self._ended.append(self._end(req, Finish(FinishKind.LENGTH, len(req.output_ids))))
 
     def _chunk_len(self, req: Req, budget: Budget, first: bool) -> int:
         n = req.extend_len
@@ -338,10 +401,10 @@ class Scheduler:
             need = sum(1 for r in self.running if r.cached_len % self.kv.page_size == 0)
             if need <= self.kv.available_pages:
                 return
-            if len(self.running) == 1:
+            if len(self.running) == 1:  # it has the whole pool to itself: it ends at the pool's limit
                 req = self.running.pop()
-                log.error("KV pool too small for request %s alone; aborting it", req.rid)
-                self._ended.append(self._end(req, Finish(FinishKind.ABORT, "KV cache pool is too small")))
+                log.warning("request %s filled the KV cache pool alone; it ends there", req.rid)
+                self._ended.append(self._end(req, Finish(FinishKind.LENGTH, len(req.output_ids))))
                 return
             self._retract(min(self.running, key=lambda r: (len(r.output_ids), -r.prompt_len)))
 
@@ -376,6 +439,7 @@ class Scheduler:
 
     def _to_worker_batch(self, b: ScheduledBatch) -> WorkerBatch:
         dev = self.device
+        sampling = self._sampling(b.sampled)  # before any page is taken: a fault here has nothing to undo
         rows = torch.tensor([r.row for r in b.reqs], dtype=torch.int64, device=dev)
         prefix = torch.tensor([r.cached_len for r in b.reqs], dtype=torch.int64, device=dev)
         ext = torch.tensor(b.extend_lens, dtype=torch.int64, device=dev)
@@ -387,7 +451,7 @@ class Scheduler:
             mode=b.mode, input_ids=input_ids, positions=positions, out_slots=out_slots, req_rows=rows,
             prefix_lens=prefix, extend_lens=ext, seq_lens=prefix + ext, max_extend_len=max(b.extend_lens),
             max_seq_len=max(r.cached_len + n for r, n in zip(b.reqs, b.extend_lens)),
-            sample_rows=sample_rows, sampling=self._sampling(b.sampled),
+            sample_rows=sample_rows, sampling=sampling,
             return_logprob=any(r.return_logprob for r in b.sampled) or bool(b.logprob_spans),
             top_logprobs_num=max([r.top_logprobs_num for r in b.reqs if r.return_logprob] or [0]),
         )
@@ -399,6 +463,7 @@ class Scheduler:
         input_ids = torch.tensor([r.output_ids[-1] for r in b.reqs], dtype=torch.int64, device=self.device)
         need_page = prefix % self.kv.page_size == 0
         out_slots = self.kv.decode_slots(rows, prefix, need_page, int(need_page.sum()))
+        b.slotted = len(b.reqs)
         return input_ids, prefix, out_slots, torch.arange(len(b.reqs), device=self.device)
 
     def _extend_inputs(self, b: ScheduledBatch, prefix: torch.Tensor, ext: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -407,6 +472,7 @@ class Scheduler:
         for req, n in zip(b.reqs, b.extend_lens):
             ids.extend(req.tokens(req.cached_len, req.cached_len + n))
             slots.append(self.kv.extend_slots(req, n))
+            b.slotted += 1
         ends = torch.cumsum(ext, 0)
         sampled = {id(r) for r in b.sampled}
         last_rows = [int(e) - 1 for r, e in zip(b.reqs, ends.tolist()) if id(r) in sampled]
@@ -462,8 +528,10 @@ class Scheduler:
             if finish is None:
                 try:
                     finish = self._check_finish(req)
-                    if finish is None and self._may_jump(req) and self._jump_forward(req, len(b.reqs)):
-                        finish = self._check_finish(req)
+                    if finish is None and self._may_jump(req):
+                        changed = self._jump_forward(req, len(b.reqs))
+                        if changed is not None:
+                            finish = self._stop_token_in(req, changed) or self._check_finish(req)
                 except Exception:  # noqa: BLE001 - as above
                     finish = self._internal_error(req, "checking its stop conditions or jumping forward")
             if finish is not None:
@@ -497,17 +565,18 @@ class Scheduler:
         self.kv.truncate(req, req.prefix_len)
         return Finish(FinishKind.ABORT, f"internal error (error id {error_id})", status=500)
 
-    def _fail(self, b: ScheduledBatch) -> list[TokenOutput]:
-        """The model raised on batch `b`: its requests end with a 500 naming an error id (the log has
-        the traceback under it); their KV up to this step goes to the cache, the pages this
-        step allocated are freed, and every other request carries on."""
+    def _fail(self, b: ScheduledBatch, doing: str) -> list[TokenOutput]:
+        """Building or running batch `b` raised: its requests end with a 500 naming an error id (the
+        log has the traceback under it); their KV up to this step goes to the cache, the pages
+        this step allocated are freed, and every other request carries on."""
         error_id = uuid.uuid4().hex[:12]
-        log.exception("forward pass failed on requests %s (error id %s)", [r.rid for r in b.reqs], error_id)
-        message = f"internal error while running the model (error id {error_id})"
+        log.exception("%s failed on requests %s (error id %s)", doing, [r.rid for r in b.reqs], error_id)
+        message = f"internal error while {doing} (error id {error_id})"
         outputs, self._ended = self._ended, []
-        for req, n in zip(b.reqs, b.extend_lens):
+        for i, (req, n) in enumerate(zip(b.reqs, b.extend_lens)):
             computed = req.cached_len
-            req.cached_len += n  # the slots this step was given: hand its pages back
+            if i < b.slotted:
+                req.cached_len += n  # the slots this step was given: hand its pages back
             self.kv.truncate(req, computed)
             self._dequeue(req)
             outputs.append(self._end(req, Finish(FinishKind.ABORT, message, status=500)))
@@ -520,45 +589,48 @@ class Scheduler:
         return (self.jump_forward and req.guide is not None and not req.return_logprob
                 and req.output_ids[-1] not in self.eos_ids and self.grammar.jump_forward is not None)
 
-    def _jump_forward(self, req: Req, batch_size: int) -> bool:
+    def _jump_forward(self, req: Req, batch_size: int) -> int | None:
         """Append the text the constraint forces next, re-encoded with the last output tokens;
-        end with EOS when nothing else may follow. Returns whether the output changed."""
+        end with EOS when nothing else may follow. Returns the index of the first output token
+        that changed, or None when none did."""
         jf = self.grammar.jump_forward
         forced = jf.forced(req.grammar, req.guide.get_state())
-        jumped = bool(forced.text) and self._jump(req, jf, forced, batch_size)
-        if jumped:
+        changed = self._jump(req, jf, forced, batch_size) if forced.text else None
+        if changed is not None:
             forced = jf.forced(req.grammar, req.guide.get_state())
         p = req.params
         if (forced.ends and not forced.text and not p.ignore_eos and len(req.output_ids) < p.max_new_tokens
                 and len(req.output_ids) + 1 >= p.min_new_tokens):
             req.output_ids.append(jf.eos_token_id)  # finishes the request: it needs no KV
-            return True
-        return jumped
+            return len(req.output_ids) - 1 if changed is None else changed
+        return changed
 
-    def _jump(self, req: Req, jf: JumpForward, forced: Forced, batch_size: int) -> bool:
+    def _jump(self, req: Req, jf: JumpForward, forced: Forced, batch_size: int) -> int | None:
+        """Re-encode the last output tokens with the forced text; returns the first changed index."""
         out = req.output_ids
-        # tokens in the shared prefix cache cannot be re-encoded; the guide keeps RETOKENIZE_TOKENS states
+        # tokens in the shared prefix cache cannot be re-encoded; the guide keeps RETOKENIZE_TOKENS
+        # states, and holds none for an EOS (sampled under ignore_eos: the guide never takes it)
         movable = len(out) - max(req.prefix_len - req.prompt_len, 0)
-        window = min(RETOKENIZE_TOKENS, movable, req.guide.get_allowed_rollback())
+        window = min(RETOKENIZE_TOKENS, movable, req.guide.get_allowed_rollback(), self._since_eos(out))
         plan = jf.retokenize(out[len(out) - window:], forced.text, forced.ends, forced.next_bytes)
         if plan is None:
-            return False
+            return None
         start = len(out) - window + plan.keep  # the first output token that changes
         room = min(req.params.max_new_tokens, self.context_length - req.prompt_len) - start
         tokens = plan.tokens[:room]
         old_bytes = sum(len(jf.token_bytes[t]) for t in out[start:])
         if sum(len(jf.token_bytes[t]) for t in tokens) <= old_bytes:
-            return False  # no room to add anything past what is already there
+            return None  # no room to add anything past what is already there
         keep_kv = min(req.cached_len, req.prompt_len + start)
         need = pages_for(req.prompt_len + start + len(tokens), self.kv.page_size) - pages_for(keep_kv, self.kv.page_size)
         if need > self.kv.available_pages - len(self.running) - batch_size - self._owed_pages():
-            return False  # leave the pages to decoding
+            return None  # leave the pages to decoding
         req.guide.rollback_state(len(out) - start)
         if not req.guide.accepts_tokens(tokens):  # cannot happen for a tokenization of allowed text
             for t in out[start:]:
                 req.guide.advance(t, return_tokens=False)
             log.warning("jump-forward: the guide refused the re-encoded text of %s; decoding it instead", req.rid)
-            return False
+            return None
         for t in tokens:
             req.guide.advance(t, return_tokens=False)
         if keep_kv < req.cached_len:
@@ -568,7 +640,27 @@ class Scheduler:
             req.replaced += req.sent_len - start
             req.sent_len = start
         out[start:] = tokens
-        return True
+        return start
+
+    def _since_eos(self, out: list[int]) -> int:
+        """How many of the last RETOKENIZE_TOKENS outputs follow the last EOS among them."""
+        tail = out[-RETOKENIZE_TOKENS:]
+        for back, token in enumerate(reversed(tail)):
+            if token in self.eos_ids:
+                return back
+        return len(tail)
+
+    def _stop_token_in(self, req: Req, start: int) -> Finish | None:
+        """A stop token among the outputs from `start` on (jump-forward appends many at once) ends
+        the request there, as it would have had the tokens come one by one."""
+        p = req.params
+        out = req.output_ids
+        for i in range(max(start, p.min_new_tokens - 1), len(out) - 1):  # the last one: _check_finish's
+            token = out[i]
+            if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
+                del out[i + 1:]  # (tokens past the first of this step's have no KV yet)
+                return Finish(FinishKind.STOP, token)
+        return None
 
     def _store_prompt_logprobs(self, b: ScheduledBatch, out: WorkerOutput) -> None:
         at = 0

@@ -176,6 +176,19 @@ class ModelWorker:
                 out.top_logprob_ids = s.top_logprob_ids.tolist()
         return out
 
+    def usable_after_fault(self) -> bool:
+        """Whether this worker can serve on after an exception escaped its `forward`. Not with tensor
+        parallelism (the other ranks may be inside a collective this rank never reached, so
+        every later step would pair the wrong messages), nor when the device fails a probe (a
+        sticky CUDA error fails every later call on the device)."""
+        if self.tp.size > 1:
+            return False
+        try:
+            probe = torch.ones(8, device=self.device)
+            return float((probe @ probe).item()) == 8.0  # .item() waits for the device
+        except Exception:  # noqa: BLE001 - any failure here means the device is gone
+            return False
+
     @torch.inference_mode()
     def follow(self) -> None:
         """Tensor-parallel ranks 1..N-1: run each step rank 0 sends, with the same collectives as

@@ -136,3 +136,42 @@ def test_date_time_and_time_formats_require_an_offset():
     assert not re.fullmatch(rx, '"2008-07-18T00:00:00"')
     rx = to_regex(("json_schema", json.dumps({"type": "string", "format": "time"})))
     assert re.fullmatch(rx, '"10:20:30-05:00"') and not re.fullmatch(rx, '"10:20:30"')
+
+
+def test_a_failure_is_answered_to_every_waiter_and_kept_for_a_while():
+    """Before: the first poll took a failed compile away and the next waiter's poll raised KeyError."""
+    c = make_compiler(failure_ttl_s=0.5)
+    try:
+        key = ("regex", "(unclosed")
+        c.submit(key)
+        c.submit(key)  # a second request on the same key: one compile
+        first = _wait(c, key)
+        assert isinstance(first, GrammarError) and c.poll(key) is first  # every waiter gets the same answer
+        c.submit(key)
+        assert c.poll(key) is first and c.num_compiling == 0  # kept: no compile for the next request
+        time.sleep(0.6)
+        c.submit(key)  # past failure_ttl_s a failure is tried again (the limit may have been load)
+        assert c.num_compiling == 1 or c.poll(key) is not first
+        assert isinstance(_wait(c, key), GrammarError)
+    finally:
+        c.shutdown()
+
+
+def test_a_compile_no_one_waits_for_is_dropped_and_compiles_wake_the_ready_fd():
+    import select
+
+    c = make_compiler(timeout_s=1.0)  # one worker
+    try:
+        assert select.select([c.ready_fd], [], [], 0)[0] == []
+        c.submit(("regex", "(a|b)*a(a|b){40}"))  # occupies the only worker until its time limit
+        c.submit(("regex", "ab"))
+        assert c.num_compiling == 2
+        c.forget(("regex", "ab"))  # its only waiter left before it started: it never runs
+        assert c.num_compiling == 1
+        assert select.select([c.ready_fd], [], [], 3.0)[0] == [c.ready_fd]  # the time-out ended a compile
+        c.drain_ready()
+        assert select.select([c.ready_fd], [], [], 0)[0] == []
+        assert c.num_compiling == 0 and c.poll(("regex", "ab")) is None  # asked again: compiled afresh
+        assert not isinstance(_wait(c, ("regex", "ab")), GrammarError)
+    finally:
+        c.shutdown()
