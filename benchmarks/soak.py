@@ -5,10 +5,13 @@
     python benchmarks/soak.py --url http://127.0.0.1:30000 --requests 5000   # an already running server
 
 The mix (seeded): native /generate, OpenAI completions and chat; half streamed;
-one in six constrained (regex or JSON schema); a quarter of the chats offer a
-tool (`tool_choice` auto or required); prompts share one of four long
+one in six constrained (regex or JSON schema, the same few over and over, so
+many requests wait on one compile); a quarter of the chats offer a tool
+(`tool_choice` auto or required); one in five has stop strings; one in eight
+asks for n = 2 or 3 samples under a seed; prompts share one of four long
 system prompts; 30% of streams are dropped after a few events and 6% of the
-others time out on the client side; 2% are bad requests that must get a 400.
+others time out on the client side; 2% are bad requests that must get a 400
+(a negative length, or a regex that does not compile, sent by many at once).
 Requests arrive in bursts (up to --burst at once) that need far more KV than the
 pool holds (the server it starts gets --max-total-tokens 2048), so requests
 queue and running ones may be retracted.
@@ -68,6 +71,8 @@ class Plan:
     client_timeout: float | None  # non-streams: give up after this many seconds
     bad: bool
     tool_choice: str | None = None  # chat only: auto | required
+    stop: list[str] | None = None
+    n: int = 1
 
 
 def make_plans(n: int, seed: int) -> list[Plan]:
@@ -90,23 +95,29 @@ def make_plans(n: int, seed: int) -> list[Plan]:
             plans[-1].tool_choice = rng.choice(["auto", "required"])
             if plans[-1].tool_choice == "required":
                 plans[-1].constraint = None  # a forced call and another constraint are refused together
+        if rng.random() < 0.2:
+            plans[-1].stop = rng.choice([["."], ["\n", " the "], ["aisle"]])
+        if rng.random() < 0.125:
+            plans[-1].n = rng.randint(2, 3)
+        if bad and rng.random() < 0.5:
+            plans[-1].constraint = "bad-regex"
     return plans
 
 
+CONSTRAINTS = {"regex": {"regex": REGEX}, "json": {"json_schema": json.dumps(SCHEMA)},
+               "bad-regex": {"regex": "([0-9]+"}}
+
+
 def body_of(p: Plan) -> tuple[str, dict]:
-    limit = -1 if p.bad else p.max_tokens  # a negative length: the server must say 400
+    # a bad request: a negative length or a regex that does not compile; the server must say 400
+    limit = -1 if p.bad and p.constraint != "bad-regex" else p.max_tokens
+    extra = {**CONSTRAINTS.get(p.constraint, {}), **({"stop": p.stop} if p.stop else {})}
+    if p.n > 1:
+        extra.update(n=p.n, seed=p.max_tokens)
     if p.api == "native":
-        params: dict = {"max_new_tokens": limit, "temperature": 0.7}
-        if p.constraint == "regex":
-            params["regex"] = REGEX
-        elif p.constraint == "json":
-            params["json_schema"] = json.dumps(SCHEMA)
+        params: dict = {"max_new_tokens": limit, "temperature": 0.7, **extra}
         return "/generate", {"text": p.prompt, "sampling_params": params, "stream": p.stream}
-    body: dict = {"model": "default", "max_tokens": limit, "temperature": 0.7, "stream": p.stream}
-    if p.constraint == "regex":
-        body["regex"] = REGEX
-    elif p.constraint == "json":
-        body["json_schema"] = json.dumps(SCHEMA)
+    body: dict = {"model": "default", "max_tokens": limit, "temperature": 0.7, "stream": p.stream, **extra}
     if p.api == "chat":
         if p.tool_choice:
             body["tools"], body["tool_choice"] = [TOOL], p.tool_choice
@@ -117,11 +128,13 @@ def body_of(p: Plan) -> tuple[str, dict]:
     return "/v1/completions", body
 
 
-def finished(obj: dict) -> bool:
-    """Whether a response (or the last stream event) carries a finish reason."""
+def finished(obj: dict | list) -> set[int]:
+    """The sample indices a response (or a stream event) carries a finish reason for."""
+    if isinstance(obj, list):  # native, n > 1
+        return set().union(*({i} if finished(o) else set() for i, o in enumerate(obj)))
     if "meta_info" in obj:
-        return obj["meta_info"].get("finish_reason") is not None
-    return any(c.get("finish_reason") for c in obj.get("choices", []))
+        return {obj.get("index", 0)} if obj["meta_info"].get("finish_reason") is not None else set()
+    return {c.get("index", 0) for c in obj.get("choices", []) if c.get("finish_reason")}
 
 
 async def send(client: httpx.AsyncClient, p: Plan, deadline: float) -> tuple[str, float, str]:
@@ -137,7 +150,7 @@ async def send(client: httpx.AsyncClient, p: Plan, deadline: float) -> tuple[str
                 return ("dropped", 0.0, "") if p.client_timeout else ("lost", 0.0, "no answer by the deadline")
             if p.bad:
                 return ("refused", 0.0, "") if r.status_code == 400 else ("lost", 0.0, f"bad request got {r.status_code}")
-            if r.status_code != 200 or not finished(r.json()):
+            if r.status_code != 200 or len(finished(r.json())) != p.n:
                 return "lost", 0.0, f"{r.status_code}: {r.text[:200]}"
             return "ok", time.perf_counter() - start, ""
         async with client.stream("POST", path, json=body, timeout=deadline) as r:
@@ -145,21 +158,22 @@ async def send(client: httpx.AsyncClient, p: Plan, deadline: float) -> tuple[str
                 return ("refused", 0.0, "") if r.status_code == 400 else ("lost", 0.0, f"bad request got {r.status_code}")
             if r.status_code != 200:
                 return "lost", 0.0, f"{r.status_code}: {(await r.aread())[:200]!r}"
-            events, last, done = 0, {}, False
+            events, ended, done = 0, set(), False
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
                 if line == "data: [DONE]":
                     done = True
                     break
-                last = json.loads(line[6:])
-                if "error" in last:
-                    return "lost", 0.0, f"error event: {last['error']}"
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return "lost", 0.0, f"error event: {event['error']}"
+                ended |= finished(event)
                 events += 1
                 if p.drop_after is not None and events >= p.drop_after:
                     return "dropped", 0.0, ""  # leaving the block closes the connection mid-stream
-            if not done or not finished(last):
-                return "lost", 0.0, "the stream ended without [DONE] or a finish reason"
+            if not done or len(ended) != p.n:
+                return "lost", 0.0, f"the stream ended without [DONE] or a finish reason for each of {p.n}"
             return "ok", time.perf_counter() - start, ""
     except httpx.HTTPError as e:
         return "lost", 0.0, f"{type(e).__name__}: {e}"
@@ -297,6 +311,7 @@ def main() -> int:
         "dropped_share": round(counts["dropped"] / len(plans), 3),
         "streamed": sum(p.stream for p in plans), "constrained": sum(p.constraint is not None for p in plans),
         "with_tools": sum(p.tool_choice is not None for p in plans),
+        "with_stop": sum(p.stop is not None for p in plans), "with_n": sum(p.n > 1 for p in plans),
         "kv_accounting_ok": acct["ok"], "idle_after_drain": acct["idle"],
         "locked_pages_after": acct["locked_pages"], "leaked_pages": leaked,
         "peak_running": peaks.get("running_requests"), "peak_waiting": peaks.get("waiting_requests"),
