@@ -1,6 +1,13 @@
-"""Checks shared by the model tests."""
+"""Checks shared by the tests."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """How many leading items `a` and `b` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def assert_drained(engine) -> None:

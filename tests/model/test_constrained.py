@@ -1,17 +1,18 @@
 """Constrained decoding (regex, JSON schema) on SmolLM2: every output satisfies its constraint,
-with jump-forward on and off."""
+with jump-forward on and off, and every jump appends only text the constraint forces."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections import defaultdict
 
 import jsonschema
 import pytest
 
 from outlines_core import Guide
 
-from helpers import assert_drained
+from helpers import assert_drained, common_prefix
 from runtime.sampling_params import SamplingParamsError
 
 REGEXES = {
@@ -76,8 +77,9 @@ def _assert_jumped_iff_enabled(engine, before: int) -> None:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_regex_outputs_full_match_in_a_mixed_batch(engine, temperature):
+def test_regex_outputs_full_match_in_a_mixed_batch(engine, temperature, monkeypatch):
     jumped = engine.scheduler.jumped_tokens
+    jumps = _record_jumps(engine, monkeypatch)
     prompts = [_chat(engine, f"Give an example of a {name}.") for name in REGEXES]
     params = [{"max_new_tokens": 40, "temperature": temperature, "seed": 3, "regex": rx} for rx in REGEXES.values()]
     free_prompt = _chat(engine, "Say hello.")
@@ -87,14 +89,16 @@ def test_regex_outputs_full_match_in_a_mixed_batch(engine, temperature):
         assert re.fullmatch(rx, res["text"]), f"{name}: {res['text']!r}"
         # sampling may still be inside an open-ended part (e.g. a long word) when max_new_tokens runs out
         assert res["meta_info"]["finish_reason"]["type"] == "stop" or temperature > 0
+        _assert_follows_the_constraint(engine, res["output_ids"], {"regex": rx}, jumps[res["meta_info"]["id"]])
     assert results[-1]["output_ids"] == alone["output_ids"], "an unconstrained neighbour must be untouched"
     _assert_jumped_iff_enabled(engine, jumped)
     assert_drained(engine)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_json_schema_outputs_validate(engine, temperature):
+def test_json_schema_outputs_validate(engine, temperature, monkeypatch):
     jumped = engine.scheduler.jumped_tokens
+    jumps = _record_jumps(engine, monkeypatch)
     prompts = [_chat(engine, "Answer in JSON: describe something.") for _ in SCHEMAS]
     params = [{"max_new_tokens": 160, "temperature": temperature, "seed": 5, "json_schema": json.dumps(s)}
               for s in SCHEMAS]
@@ -103,25 +107,93 @@ def test_json_schema_outputs_validate(engine, temperature):
     for i, (schema, res) in enumerate(zip(SCHEMAS, results)):
         assert res["meta_info"]["finish_reason"]["type"] == "stop", (i, res["text"])
         jsonschema.validate(json.loads(res["text"]), schema, format_checker=jsonschema.FormatChecker())
-        _assert_tokens_follow_the_guide(engine, res["output_ids"], {"json_schema": json.dumps(schema)})
+        _assert_follows_the_constraint(engine, res["output_ids"], {"json_schema": json.dumps(schema)},
+                                       jumps[res["meta_info"]["id"]])
     assert results[-1]["output_ids"] == engine.generate(free, {"max_new_tokens": 10, "temperature": 0})["output_ids"]
     _assert_jumped_iff_enabled(engine, jumped)
     assert_drained(engine)
 
 
-def _assert_tokens_follow_the_guide(engine, output_ids, constraint) -> None:
-    """Every output token, jumped ones included, is one the constraint allowed where it stands."""
+def _record_jumps(engine, monkeypatch) -> dict[str, list[tuple[list[int], list[int]]]]:
+    """Every jump-forward the engine makes, by request id: the output just before it and just after."""
+    jumps: dict[str, list[tuple[list[int], list[int]]]] = defaultdict(list)
+    jump_forward = engine.scheduler._jump_forward
+
+    def recording(req, *args):
+        before = list(req.output_ids)
+        changed = jump_forward(req, *args)
+        if req.output_ids != before:
+            jumps[req.rid].append((before, list(req.output_ids)))
+        return changed
+
+    monkeypatch.setattr(engine.scheduler, "_jump_forward", recording)
+    return jumps
+
+
+def _assert_follows_the_constraint(engine, output_ids, constraint, jumps=()) -> None:
+    """Every output token, jumped ones included, is one the constraint allowed where it stands; and
+    each of the request's `jumps` appended only what the constraint forced: from where the output
+    stood, a fresh guide admits no text that does not begin with the appended bytes, and after an
+    appended EOS nothing but EOS."""
     from runtime.constrained.grammar import constraint_key
     from runtime.sampling_params import SamplingParams
 
-    compiler = engine.scheduler.grammar
-    grammar = compiler.poll(constraint_key(SamplingParams.from_dict(constraint)))
-    guide = Guide(grammar.index)
+    grammar = engine.scheduler.grammar.poll(constraint_key(SamplingParams.from_dict(constraint)))
+    eos = engine.scheduler.eos_ids[0]
     *body, last = output_ids
-    assert guide.accepts_tokens(body), engine.tokenizer.convert_ids_to_tokens(output_ids)
-    for t in body:
+    guide = _guide_after(grammar, body)
+    assert guide is not None and grammar.allows(guide.get_state(), last, eos), engine.tokenizer.convert_ids_to_tokens(
+        output_ids)
+    token_bytes = engine.scheduler.grammar.jump_forward.token_bytes
+    text = b"".join(token_bytes[t] for t in output_ids if t != eos)
+    for before, after in jumps:
+        ends = after[-1] == eos  # an EOS appended (`before` never ends in one: an ended output never jumps)
+        grown = after[:-1] if ends else after
+        old, new = (b"".join(token_bytes[t] for t in ids) for ids in (before, grown))
+        assert new.startswith(old) and text.startswith(new), (before, after)  # text is only ever appended
+        assert len(new) > len(old) or ends, (before, after)
+        assert _guide_after(grammar, grown) is not None, engine.tokenizer.convert_ids_to_tokens(grown)
+        if len(new) > len(old):
+            _assert_only_continuation(grammar, _guide_after(grammar, before).get_state(), new[len(old):],
+                                      token_bytes, eos)
+        if ends:
+            _assert_only_continuation(grammar, _guide_after(grammar, grown).get_state(), b"", token_bytes, eos,
+                                      ends=True)
+
+
+def _guide_after(grammar, tokens) -> Guide | None:
+    """A fresh guide advanced through `tokens`, or None when it refuses one."""
+    guide = Guide(grammar.index)
+    if not guide.accepts_tokens(tokens):
+        return None
+    for t in tokens:
         guide.advance(t, return_tokens=False)
-    assert grammar.allows(guide.get_state(), last, engine.scheduler.eos_ids[0])
+    return guide
+
+
+def _assert_only_continuation(grammar, state: int, forced: bytes, token_bytes, eos: int, ends: bool = False) -> None:
+    """From `state`, every text the Index admits begins with `forced` (`ends`: and then stops): at
+    every point a token can reach within it, the text cannot end and every allowed token's bytes
+    agree with what is left of it."""
+    index = grammar.index
+    enders = {eos, grammar.end_token}
+    reached, todo = {0: state}, [0]
+    while todo:
+        at = todo.pop()
+        rest = forced[at:]
+        allowed = set(index.get_allowed_tokens(reached[at]) or ())
+        moves = allowed - enders
+        if ends:
+            assert not moves and allowed & enders, f"only EOS was to follow, not {sorted(moves)[:8]}"
+            continue
+        assert not allowed & enders, f"the text may end {at} bytes into the forced {forced!r}"
+        assert moves, f"nothing may follow {forced[:at]!r}"
+        for t in moves:
+            b = token_bytes[t]
+            assert b.startswith(rest) or rest.startswith(b), f"{b!r} may follow where {rest!r} was forced"
+            if len(b) < len(rest) and at + len(b) not in reached:
+                reached[at + len(b)] = index.get_next_state(reached[at], t)
+                todo.append(at + len(b))
 
 
 def test_dtype_outputs_parse(smol):
@@ -148,10 +220,11 @@ def test_a_float_may_take_its_decimals(smol):
     assert re.fullmatch(r"[0-9]+\.[0-9]+", res["text"]), res["text"]
 
 
-def test_a_structural_tag_holds_calls_to_their_schema_and_leaves_text_free(smol):
+def test_a_structural_tag_holds_calls_to_their_schema_and_leaves_text_free(smol, monkeypatch):
     from runtime import tool_calls
 
     engine = smol.engine
+    jumps = _record_jumps(engine, monkeypatch)
     add = {"type": "function", "function": {"name": "add", "strict": True, "parameters": {
         "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
         "required": ["a", "b"], "additionalProperties": False}}}
@@ -165,7 +238,9 @@ def test_a_structural_tag_holds_calls_to_their_schema_and_leaves_text_free(smol)
     assert calls, res["text"]
     jsonschema.validate(json.loads(calls[0].arguments), add["function"]["parameters"])
     assert "Q:" in content  # after the call, text is free again
-    _assert_tokens_follow_the_guide(engine, res["output_ids"], {"structural_tag": params["structural_tag"]})
+    _assert_follows_the_constraint(engine, res["output_ids"], {"structural_tag": params["structural_tag"]},
+                                   jumps[res["meta_info"]["id"]])
+    assert jumps[res["meta_info"]["id"]], "the call's keys were meant to be jumped"
     assert_drained(engine)
 
 
@@ -188,22 +263,28 @@ SCHEMA = {"type": "object", "properties": {"name": S, "age": {"type": "integer"}
           "required": ["name", "age", "city", "member"]}
 
 
-def test_jump_forward_saves_passes_and_leaves_consistent_kv(smol, no_jump):
-    """Jumped text costs no forward pass per token, and its KV (re-encoded at the boundary,
-    rolled back and recomputed) is what a fresh prefill of the same tokens computes: a follow-up
-    turn that reuses it from the prefix cache decodes exactly as on a cacheless engine."""
+def test_jump_forward_saves_passes_and_leaves_consistent_kv(smol, no_jump, monkeypatch):
+    """Jumped text costs no forward pass per token and is text the constraint forced, which
+    token-by-token decoding writes too; its KV (re-encoded at the boundary, rolled back and
+    recomputed) is what a fresh prefill of the same tokens computes: a follow-up turn that reuses
+    it from the prefix cache decodes exactly as on a cacheless engine."""
     prompts = [_chat(smol.engine, f"Describe person number {i} as JSON.") for i in range(6)]
-    params = {"max_new_tokens": 96, "temperature": 0, "json_schema": json.dumps(SCHEMA)}
-    passes = {}
+    constraint = {"json_schema": json.dumps(SCHEMA)}
+    params = {"max_new_tokens": 96, "temperature": 0, **constraint}
+    jumps = _record_jumps(smol.engine, monkeypatch)
+    passes, results = {}, {}
     for eng in (smol.engine, no_jump):
         before = eng.scheduler.request_passes
-        results = eng.generate(prompts, params)
+        results[eng] = eng.generate(prompts, params)
         passes[eng.scheduler.jump_forward] = eng.scheduler.request_passes - before
-        for res in results:
+        for res in results[eng]:
             jsonschema.validate(json.loads(res["text"]), SCHEMA)
-        if eng is smol.engine:
-            jumped = results
     assert passes[True] < 0.8 * passes[False], passes
+    jumped = results[smol.engine]
+    for res, decoded in zip(jumped, results[no_jump]):
+        ours = jumps[res["meta_info"]["id"]]
+        _assert_follows_the_constraint(smol.engine, res["output_ids"], constraint, ours)
+        _assert_decoding_writes_the_forced_text(smol.engine, res["output_ids"], decoded["output_ids"], ours)
     cold = smol.engine_with(disable_radix_cache=True)
     tok = smol.engine.tokenizer
     follow_ups = [tok.encode(p, add_special_tokens=False) + r["output_ids"] + tok.encode("\nSay it in words:")
@@ -214,6 +295,28 @@ def test_jump_forward_saves_passes_and_leaves_consistent_kv(smol, no_jump):
     assert [r["output_ids"] for r in warm] == [r["output_ids"] for r in cold.generate(input_ids=follow_ups,
                                                                                       sampling_params=greedy)]
     assert_drained(smol.engine)
+
+
+def _assert_decoding_writes_the_forced_text(engine, jumped: list[int], decoded: list[int], jumps) -> None:
+    """Greedy token-by-token decoding (`decoded`) against the same request with jump-forward
+    (`jumped`, whose `jumps` were recorded). They decode the same tokens until one a jump wrote
+    differs (jump-forward writes the tokenizer's encoding, which decoding need not choose); and
+    wherever decoding reached the place a jump started, it wrote the same forced bytes there.
+    Their texts may part after that: the model has read different tokens."""
+    token_bytes = engine.scheduler.grammar.jump_forward.token_bytes
+    eos = engine.scheduler.eos_ids[0]
+    raw = lambda ids: b"".join(token_bytes[t] for t in ids if t != eos)  # noqa: E731
+    first = common_prefix(jumped, decoded)
+    if first < min(len(jumped), len(decoded)):
+        assert any(common_prefix(before, after) <= first < len(after) and after[: first + 1] == jumped[: first + 1]
+                   for before, after in jumps), f"token {first} differs, and no jump wrote it"
+    text = raw(decoded)
+    same = common_prefix(raw(jumped), text)
+    cut = same == len(text) and decoded[-1] != eos  # decoding ran out of tokens there
+    for before, after in jumps:
+        start, end = len(raw(before)), len(raw(after))
+        assert start > same or end <= same or cut, (
+            f"decoding reached byte {start} and wrote {text[start:end]!r}, not the forced {raw(after)[start:]!r}")
 
 
 def test_jump_forward_under_paging_chunking_and_retraction(smol):
@@ -231,13 +334,14 @@ def test_jump_forward_under_paging_chunking_and_retraction(smol):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_forced_multibyte_text_stays_valid_utf8(engine, temperature):
+def test_forced_multibyte_text_stays_valid_utf8(engine, temperature, monkeypatch):
     """Forced text that ends inside a character (é and è share a first byte) is cut at the
     character: the output is always whole UTF-8 that full-matches."""
     rx = "Résumé: (café|cafè|thé) — [a-z]{1,6} ✓"
+    jumps = _record_jumps(engine, monkeypatch)
     results = engine.generate([_chat(engine, "Write a note.")] * 3,
                               {"max_new_tokens": 40, "temperature": temperature, "seed": 2, "regex": rx})
     for res in results:
         assert "\ufffd" not in res["text"] and re.fullmatch(rx, res["text"]), res["text"]
-        _assert_tokens_follow_the_guide(engine, res["output_ids"], {"regex": rx})
+        _assert_follows_the_constraint(engine, res["output_ids"], {"regex": rx}, jumps[res["meta_info"]["id"]])
     assert_drained(engine)

@@ -28,9 +28,9 @@ def test_tiny_models_match_hf_on_a_shared_prefix_batch(tiny):
 
 def test_smollm2_matches_hf(smol):
     results = smol.engine.generate(input_ids=smol.prompts, sampling_params=GREEDY)
-    exact = [assert_matches(r["output_ids"], ref, f"smollm2 prompt {i}")
+    flips = [assert_matches(r["output_ids"], ref, f"smollm2 prompt {i}")
              for i, (r, ref) in enumerate(zip(results, smol.refs))]
-    assert sum(exact) >= len(exact) - 1, "more than one near-tie flip in 8 prompts is suspicious"
+    assert sum(f > 0 for f in flips) <= 1, f"near-tie flips in more than one of 8 prompts is suspicious: {flips}"
     assert_drained(smol.engine)
 
 

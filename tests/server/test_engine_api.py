@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 
 import pytest
 
@@ -47,12 +48,21 @@ def test_engine_streams_the_same_result_piece_by_piece(engine):
     assert len(chunks) > 1 and "".join(c["text"] for c in chunks) == whole["text"]
     assert [t for c in chunks for t in c["output_ids"]] == whole["output_ids"]
     assert chunks[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
-    early = engine.stream("Write a long story.", {"max_new_tokens": 200})
-    next(early)
-    early.close()  # leaving early aborts the request and frees its KV
-    acct = engine.check_accounting()
-    assert acct["ok"]
     assert engine.model_info()["chat_template"]
+
+
+def test_leaving_a_stream_early_ends_its_request_and_frees_its_kv(engine):
+    early = engine.stream("Write a long story.", {"max_new_tokens": 2000, "ignore_eos": True})
+    rid = next(early)["meta_info"]["id"]
+    acct = engine.check_accounting()
+    assert rid in [r["rid"] for r in acct["live"]] and acct["locked_pages"] > 0, acct
+    early.close()  # leaving early aborts the request
+    deadline = time.time() + 5
+    while (rid in [r["rid"] for r in acct["live"]] or acct["locked_pages"]) and time.time() < deadline:
+        time.sleep(0.05)
+        acct = engine.check_accounting()
+    assert acct["ok"] and acct["idle"] and acct["live"] == [] and acct["locked_pages"] == 0, acct
+    assert acct["free_pages"] + acct["evictable_pages"] == acct["pool_pages"], acct
 
 
 def test_engine_errors_are_value_errors(engine):

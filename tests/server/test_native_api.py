@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import uuid
 
 import httpx
 import orjson
 import pytest
 
+from oracle import LOGPROB_TOL, hf_logprobs
 from server.conftest import assert_kv_clean
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
@@ -47,31 +49,61 @@ def test_generate_equals_in_process_engine(server, smol):
     assert "Paris" in served[0]["text"]
     meta = served[0]["meta_info"]
     assert meta["prompt_tokens"] == len(smol.engine.tokenizer.encode(prompts[0], add_special_tokens=False))
-    assert meta["finish_reason"]["type"] in ("stop", "length")
+    assert [s["meta_info"]["finish_reason"] for s in served] == [r["meta_info"]["finish_reason"] for r in local]
     assert_kv_clean(server.url)
 
 
-def test_input_ids_n_and_logprobs(server):
-    body = {"input_ids": [[504, 3575, 282, 4649, 314], [33, 28, 216, 34]],
-            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "n": 2},
+def _assert_logprobs_match_hf(smol, prompt: list[int], result: dict, start: int, top: int,
+                              with_text: bool = False) -> None:
+    """The prompt's logprobs from `start` and the output's, each with its `top` alternatives, are the
+    HF reference's (fp32, teacher-forced on the prompt and the output); greedy picked the best."""
+    meta, output = result["meta_info"], result["output_ids"]
+    ref = hf_logprobs(smol.hf, prompt + output)  # row p scores token p + 1
+    decode = smol.engine.tokenizer.decode
+    scored = [(p, t, lp, alts) for p, (t, lp, alts) in enumerate(zip(
+        prompt[start:], meta["input_token_logprobs"], meta["input_top_logprobs"]), start)]
+    scored += [(len(prompt) + i, t, lp, alts) for i, (t, lp, alts) in enumerate(zip(
+        output, meta["output_token_logprobs"], meta["output_top_logprobs"]))]
+    assert len(scored) == len(prompt) - start + len(output), meta
+    for pos, token, (lp, lp_token, *text), alts in scored:
+        assert lp_token == token and text == ([decode([token])] if with_text else []), (pos, lp_token, text)
+        if pos == 0:  # nothing scores the first token
+            assert lp is None and alts is None, (lp, alts)
+            continue
+        assert lp == pytest.approx(ref[pos - 1, token].item(), abs=LOGPROB_TOL), pos
+        best = ref[pos - 1].topk(top)
+        assert [t for _, t, *_ in alts] == best.indices.tolist(), pos
+        assert [v for v, *_ in alts] == pytest.approx(best.values.tolist(), abs=LOGPROB_TOL), pos
+    for pos, token, _, alts in scored[len(prompt) - start:]:
+        assert token == alts[0][1], f"output token at {pos} is not the greedy choice: {alts}"
+
+
+def test_input_ids_n_and_logprobs(server, smol):
+    prompts = [[504, 3575, 282, 4649, 314], [33, 28, 216, 34]]
+    body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "n": 2},
             "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2, "return_text_in_logprobs": True}
     res = post(server, "/generate", body).json()
     assert len(res) == 4 and res[0]["output_ids"] == res[1]["output_ids"]
-    meta = res[0]["meta_info"]
-    assert len(meta["output_token_logprobs"]) == 4 and len(meta["input_token_logprobs"]) == 5
-    lp, tok, text = meta["output_token_logprobs"][0]
-    assert tok == res[0]["output_ids"][0] and lp <= 0 and isinstance(text, str)
-    assert meta["input_token_logprobs"][0][0] is None
-    assert len(meta["output_top_logprobs"][0]) == 2
+    for i, r in enumerate(res):
+        assert len(r["output_ids"]) == 4
+        _assert_logprobs_match_hf(smol, prompts[i // 2], r, start=0, top=2, with_text=True)
+    later = post(server, "/generate", {**body, "input_ids": prompts[0], "logprob_start_len": 3,
+                                       "return_text_in_logprobs": False}).json()
+    assert len(later) == 2 and len(later[0]["meta_info"]["input_token_logprobs"]) == len(prompts[0]) - 3
+    _assert_logprobs_match_hf(smol, prompts[0], later[0], start=3, top=2)
 
 
-def test_max_new_tokens_zero_prefills_and_caches(server):
-    prompt = CHAT.format("Tell me about the moon, " * 12)
+def test_max_new_tokens_zero_prefills_and_caches(server, smol):
+    prompt = CHAT.format(f"[{uuid.uuid4().hex}] " + "Tell me about the moon, " * 12)  # new to the cache
     res = post(server, "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 0},
-                                     "return_logprob": True, "logprob_start_len": 0}).json()
-    assert res["output_ids"] == [] and len(res["meta_info"]["input_token_logprobs"]) == res["meta_info"]["prompt_tokens"]
+                                     "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 1}).json()
+    ids = smol.engine.tokenizer.encode(prompt, add_special_tokens=False)
+    assert res["output_ids"] == [] and res["meta_info"]["prompt_tokens"] == len(ids)
+    _assert_logprobs_match_hf(smol, ids, res, start=0, top=1)
     again = post(server, "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 1}}).json()
-    assert again["meta_info"]["cached_tokens"] >= res["meta_info"]["prompt_tokens"] - 1
+    page = httpx.get(server.url + "/get_server_info", timeout=30).json()["page_size"]
+    # all of it cached but the last token, which is computed for the next token's logits
+    assert again["meta_info"]["cached_tokens"] == (len(ids) - 1) // page * page
 
 
 def test_streaming_text_equals_non_streaming(server):

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import uuid
+
+import httpx
 import openai
 import pytest
 
+from helpers import common_prefix
+from oracle import LOGPROB_TOL, hf_greedy, hf_logprobs
 from server.conftest import assert_kv_clean
 
 
@@ -18,25 +23,65 @@ def test_models(client):
     assert len(models) == 1 and models[0].id.endswith(".gguf")
 
 
-def test_chat_matches_native_greedy(client, server, smol):
-    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+def test_chat_matches_native_greedy_and_counts_cached_tokens(client, server, smol):
+    """The prefix cache reports what it holds: a fresh conversation reuses exactly its longest prefix
+    shared with earlier prompts, the same conversation again everything but the last prompt token."""
+    tok = smol.engine.tokenizer
+    page = httpx.get(server.url + "/get_server_info", timeout=30).json()["page_size"]
+
+    def chat(nonce):  # a nonce no earlier prompt holds, so nothing else in the cache shares more
+        return [{"role": "system", "content": f"Session {nonce}."},
+                {"role": "user", "content": "What is the capital of France?"}]
+
+    def prompt_ids(msgs):
+        return tok.encode(smol.engine.apply_chat_template(msgs), add_special_tokens=False)
+
+    earlier, msgs = chat(uuid.uuid4().hex), chat(uuid.uuid4().hex)
+    client.chat.completions.create(model="default", messages=earlier, max_tokens=1)
+    shared = common_prefix(prompt_ids(earlier), prompt_ids(msgs))
+    assert shared > 0  # the template's start, "<|im_start|>system\nSession"
     r = client.chat.completions.create(model="default", messages=msgs, max_tokens=16, temperature=0)
     local = smol.engine.generate(smol.engine.apply_chat_template(msgs), {"max_new_tokens": 16, "temperature": 0})
     assert r.choices[0].message.content == local["text"]
-    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.choices[0].finish_reason == local["meta_info"]["finish_reason"]["type"]
     assert r.usage.completion_tokens == local["meta_info"]["completion_tokens"]
-    assert r.usage.prompt_tokens == local["meta_info"]["prompt_tokens"]
-    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    assert r.usage.prompt_tokens == local["meta_info"]["prompt_tokens"] == len(prompt_ids(msgs))
+    assert r.usage.prompt_tokens_details.cached_tokens == shared // page * page
+    again = client.chat.completions.create(model="default", messages=msgs, max_tokens=1)
+    # one prompt token is always computed, for the logits of the next
+    assert again.usage.prompt_tokens_details.cached_tokens == (r.usage.prompt_tokens - 1) // page * page
 
 
-def test_completions_batch_n_logprobs(client):
-    r = client.completions.create(model="default", prompt=["The capital of France is", "1, 2, 3,"],
-                                  max_tokens=5, temperature=0, n=2, logprobs=2)
-    assert len(r.choices) == 4 and r.choices[0].text == r.choices[1].text
-    lp = r.choices[2].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == 5 and all(len(t) <= 2 for t in lp.top_logprobs)
-    assert "".join(lp.tokens) == r.choices[2].text
-    assert r.usage.completion_tokens == 20
+def _assert_greedy_logprobs(smol, prompt: list[int], chosen: list[tuple[str, float]],
+                            tops: list[list[tuple[str, float]]], k: int) -> None:
+    """A greedy output's (token text, logprob) per step and its `k` alternatives, best first, are
+    those of the HF reference decoding the same prompt."""
+    ref = hf_greedy(smol.hf, [prompt], len(chosen))[0]
+    assert len(ref.tokens) == len(chosen) == len(tops)
+    assert min(ref.gaps) > 10 * LOGPROB_TOL, "a near-tie: pick a prompt whose greedy path is clear"
+    logprobs = hf_logprobs(smol.hf, prompt + ref.tokens)[len(prompt) - 1:]
+    decode = lambda ids: [smol.engine.tokenizer.decode([t]) for t in ids]  # noqa: E731
+    for step, (token, row, (text, lp), top) in enumerate(zip(ref.tokens, logprobs, chosen, tops)):
+        assert text == decode([token])[0], step
+        assert lp == pytest.approx(row[token].item(), abs=LOGPROB_TOL), step
+        best = row.topk(k)
+        assert [t for t, _ in top] == decode(best.indices.tolist()), step
+        assert [v for _, v in top] == pytest.approx(best.values.tolist(), abs=LOGPROB_TOL), step
+        assert all(a >= b for (_, a), (_, b) in zip(top, top[1:])), f"step {step}: not best first: {top}"
+        assert top[0] == (text, lp), f"step {step}: the greedy token is not the best alternative: {top}"
+
+
+def test_completions_batch_n_logprobs(client, smol):
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    r = client.completions.create(model="default", prompt=prompts, max_tokens=5, temperature=0, n=2, logprobs=2)
+    assert len(r.choices) == 4 and r.choices[0].text == r.choices[1].text and r.usage.completion_tokens == 20
+    for choice in r.choices:
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+        assert "".join(lp.tokens) == choice.text
+        prompt = smol.engine.tokenizer.encode(prompts[choice.index // 2], add_special_tokens=False)
+        _assert_greedy_logprobs(smol, prompt, list(zip(lp.tokens, lp.token_logprobs)),
+                                [list(t.items()) for t in lp.top_logprobs], 2)
 
 
 def test_chat_stream_with_usage(client):
@@ -63,12 +108,17 @@ def test_completion_stream_and_seeded_sampling(client):
     assert text == a.choices[0].text
 
 
-def test_chat_logprobs(client):
-    r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}],
-                                       max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
+def test_chat_logprobs(client, smol):
+    msgs = [{"role": "user", "content": "Hi"}]
+    r = client.chat.completions.create(model="default", messages=msgs, max_tokens=4, temperature=0,
+                                       logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content
-    assert len(content) == r.usage.completion_tokens and len(content[0].top_logprobs) == 3
-    assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
+    assert len(content) == r.usage.completion_tokens == 4
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    prompt = smol.engine.tokenizer.encode(smol.engine.apply_chat_template(msgs), add_special_tokens=False)
+    assert len(prompt) == r.usage.prompt_tokens
+    _assert_greedy_logprobs(smol, prompt, [(c.token, c.logprob) for c in content],
+                            [[(t.token, t.logprob) for t in c.top_logprobs] for c in content], 3)
 
 
 def test_errors(client, server):

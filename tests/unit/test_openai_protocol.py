@@ -466,11 +466,16 @@ def test_a_chat_response_carries_the_calls() -> None:
     cut = _tool_response(chat(tools=[ADD], tool_choice="required"), '[{"name": "add", "argu', "length")
     assert cut["finish_reason"] == "length" and cut["message"]["content"] == '[{"name": "add", "argu'
     assert "tool_calls" not in cut["message"]
-    named = _tool_response(chat(tools=[ADD], tool_choice={"type": "function", "function": {"name": "add"}}), '{"a": 4, "b": 5}')
-    assert named["finish_reason"] == "stop"  # as OpenAI answers a call forced by name
+    by_name = chat(tools=[ADD], tool_choice={"type": "function", "function": {"name": "add"}})
+    named = _tool_response(by_name, '{"a": 4, "b": 5}')
+    assert named["finish_reason"] == "stop" and named["message"]["content"] is None  # as OpenAI answers a forced call
     assert named["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 4, "b": 5}'}
+    cut = _tool_response(by_name, '{"a": 4, "b', "length")  # cut short: the arguments as they are
+    assert cut["finish_reason"] == "length" and cut["message"]["content"] is None
+    assert cut["message"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 4, "b'}
     auto = _tool_response(chat(tools=[ADD]), 'Adding.<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>')
     assert auto["finish_reason"] == "tool_calls" and auto["message"]["content"] == "Adding."
+    assert [c["function"] for c in auto["message"]["tool_calls"]] == [{"name": "add", "arguments": '{"a": 1, "b": 1}'}]
     plain = _tool_response(chat(tools=[ADD]), "Two.")
     assert plain == {"index": 0, "message": {"role": "assistant", "content": "Two."}, "logprobs": None,
                      "finish_reason": "stop"}

@@ -81,7 +81,8 @@ def test_other_call_styles_are_read():
     assert summary(parse_auto(' {"name": "add", "parameters": {"a": 1, "b": 2}}', NAMES)[1]) == [("add", {"a": 1, "b": 2})]
     assert summary(parse_auto('<tool_call>{"name": "add", "arguments": "{\\"a\\": 5}"}</tool_call>', NAMES)[1]) == [
         ("add", {"a": 5})]
-    assert parse_auto('Sure. <tool_call>{"name": "add", "arguments": {"a": 7}}', NAMES)[0] == "Sure."
+    content, calls = parse_auto('Sure. <tool_call>{"name": "add", "arguments": {"a": 7}}', NAMES)
+    assert content == "Sure." and summary(calls) == [("add", {"a": 7})]
 
 
 _PIECES = st.sampled_from([
