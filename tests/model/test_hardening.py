@@ -192,8 +192,13 @@ def test_a_device_that_fails_its_probe_ends_the_scheduler(tiny_llama):
     assert not sched._live
 
 
-def test_a_healthy_cpu_passes_the_probe(tiny_llama):
-    assert tiny_llama.engine().worker.usable_after_fault()
+def test_the_probe_passes_a_healthy_cpu_and_fails_tensor_parallel_ranks(tiny_llama):
+    from runtime.worker.parallel import TPContext
+
+    worker = tiny_llama.engine().worker
+    assert worker.usable_after_fault()
+    worker.tp = TPContext(rank=0, size=2)  # after a fault the ranks may be inside different collectives
+    assert not worker.usable_after_fault()
 
 
 # ---- jump-forward next to EOS and stop tokens ------------------------------------------------------------------

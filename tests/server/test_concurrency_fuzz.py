@@ -110,11 +110,11 @@ async def _send(client: httpx.AsyncClient, plan: Plan, rid: str) -> tuple[int, l
                 pass
             return None
         r = await client.post(path, json=body, timeout=TIMEOUT)
-        return r.status_code, [r.json()]
+        return r.status_code, [_json(r)]
     async with client.stream("POST", path, json=body, timeout=TIMEOUT) as r:
         if r.status_code != 200:
             await r.aread()
-            return r.status_code, [r.json()]
+            return r.status_code, [_json(r)]
         events, done = [], 0
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
@@ -128,6 +128,13 @@ async def _send(client: httpx.AsyncClient, plan: Plan, rid: str) -> tuple[int, l
                 return None
         assert done == 1, f"the stream of {rid} ended without [DONE]: {events[-2:]}"
         return 200, events
+
+
+def _json(r: httpx.Response) -> dict | list:
+    try:
+        return r.json()
+    except ValueError:  # e.g. a plain "Internal Server Error" from a server in trouble
+        return {"error": {"message": r.text[:300], "code": r.status_code}}
 
 
 async def _abort_soon(client: httpx.AsyncClient, rid: str) -> None:
