@@ -110,10 +110,9 @@ class Scheduler:
             raise RequestError(f"input token ids must lie in [0, {vocab})")
         if tr.rid in self._live:
             raise RequestError(f"request id {tr.rid!r} is already in flight")
-        pool = self.kv.num_pages * self.kv.page_size
         if pages_for(len(tr.input_ids), self.kv.page_size) > self.kv.num_pages:
-            raise RequestError(f"the prompt has {len(tr.input_ids)} tokens; the KV cache pool holds {pool} "
-                               "(raise --max-total-tokens)")
+            raise RequestError(f"the prompt has {len(tr.input_ids)} tokens; the KV cache pool holds "
+                               f"{self.kv.num_pages * self.kv.page_size} (raise --max-total-tokens)")
         tr.sampling_params.validate(vocab)
         room = self.context_length - len(tr.input_ids)
         if tr.sampling_params.max_new_tokens > room:
@@ -653,14 +652,15 @@ class Scheduler:
     def _stop_token_in(self, req: Req, start: int) -> Finish | None:
         """A stop token among the outputs from `start` on (jump-forward appends many at once) ends
         the request there, as it would have had the tokens come one by one."""
-        p = req.params
         out = req.output_ids
-        for i in range(max(start, p.min_new_tokens - 1), len(out) - 1):  # the last one: _check_finish's
-            token = out[i]
-            if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
+        for i in range(max(start, req.params.min_new_tokens - 1), len(out) - 1):  # the last: _check_finish's
+            if self._is_stop_token(req, out[i]):
                 del out[i + 1:]  # (tokens past the first of this step's have no KV yet)
-                return Finish(FinishKind.STOP, token)
+                return Finish(FinishKind.STOP, out[i])
         return None
+
+    def _is_stop_token(self, req: Req, token: int) -> bool:
+        return token in req.params.stop_token_ids or (token in self.eos_ids and not req.params.ignore_eos)
 
     def _store_prompt_logprobs(self, b: ScheduledBatch, out: WorkerOutput) -> None:
         at = 0
@@ -682,9 +682,8 @@ class Scheduler:
         if not req.output_ids:
             return Finish(FinishKind.LENGTH, 0) if req.params.max_new_tokens == 0 else None
         last = req.output_ids[-1]
-        if (last in self.eos_ids and not p.ignore_eos) or last in p.stop_token_ids:
-            if len(req.output_ids) >= p.min_new_tokens:
-                return Finish(FinishKind.STOP, last)
+        if self._is_stop_token(req, last) and len(req.output_ids) >= p.min_new_tokens:
+            return Finish(FinishKind.STOP, last)
         if p.stop and self.decode is not None and len(req.output_ids) >= p.min_new_tokens:
             matched = self._match_stop_string(req)
             if matched is not None:
