@@ -1,4 +1,4 @@
-"""Write a step's new K/V rows into their pool slots (one program per token)."""
+"""Write a step's new K/V rows into their pool slots (one program per token and KV head)."""
 
 from __future__ import annotations
 
@@ -8,26 +8,31 @@ import triton.language as tl
 
 
 @triton.jit
-def _store_kernel(k_cache, v_cache, k_new, v_new, slots, row_size, BLOCK: tl.constexpr):
+def _store_kernel(k_cache, v_cache, k_new, v_new, slots, stride_cs, stride_ch, stride_nt, stride_nh, head_dim,
+                  BLOCK: tl.constexpr):
     token = tl.program_id(0)
-    chunk = tl.program_id(1)
+    head = tl.program_id(1)
     slot = tl.load(slots + token)
-    offs = chunk * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < row_size
-    tl.store(k_cache + slot * row_size + offs, tl.load(k_new + token * row_size + offs, mask=mask), mask=mask)
-    tl.store(v_cache + slot * row_size + offs, tl.load(v_new + token * row_size + offs, mask=mask), mask=mask)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < head_dim
+    src = token * stride_nt + head * stride_nh + offs
+    dst = slot * stride_cs + head * stride_ch + offs
+    tl.store(k_cache + dst, tl.load(k_new + src, mask=mask), mask=mask)
+    tl.store(v_cache + dst, tl.load(v_new + src, mask=mask), mask=mask)
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> None:
-    """k_cache[slots[i]] = k[i] (and v): caches [slots, kv_heads, d], k/v [T, kv_heads, d], all contiguous."""
+    """k_cache[slots[i]] = k[i] (and v): caches [slots, kv_heads, d] of any slot and head strides (the
+    pool is head-major), k/v [T, kv_heads, d]; the head dimension contiguous everywhere."""
     tokens = slots.numel()
     if tokens == 0:
         return
-    row = k_cache[0].numel()
-    block = min(1024, triton.next_power_of_2(row))
-    _store_kernel[(tokens, triton.cdiv(row, block))](k_cache, v_cache, k.contiguous(), v.contiguous(), slots,
-                                                     row, BLOCK=block)
+    k, v = k.contiguous(), v.contiguous()
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(2) == 1
+    heads, dim = k_cache.shape[1], k_cache.shape[2]
+    _store_kernel[(tokens, heads)](k_cache, v_cache, k, v, slots, k_cache.stride(0), k_cache.stride(1),
+                                   k.stride(0), k.stride(1), dim, BLOCK=triton.next_power_of_2(dim))
 
 
 def store_kv_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,

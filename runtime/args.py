@@ -25,7 +25,12 @@ class ServerArgs:
     max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens (default: from --mem-fraction)"})
     mem_fraction: float = field(default=0.0, metadata={"help": "fraction of free memory for the KV pool (0: 0.15 on CPU, 0.85 on CUDA)"})
     max_running_requests: int = field(default=256, metadata={"help": "most requests decoding at once"})
-    chunked_prefill_size: int = field(default=2048, metadata={"help": "most prompt tokens per prefill step; 0 or -1 disables chunking"})
+    # 256: on a 2-core CPU a prefill token costs ~0.7 ms and a batch-32 decode step ~70 ms, so a full
+    # budget (224 prefill tokens beside 32 decodes) delays each running request's next token ~3x,
+    # once; larger budgets buy no throughput, as per-token cost is flat (benchmarks/step_cost.py)
+    chunked_prefill_size: int = field(default=256, metadata={
+        "help": "token budget of one step: the running requests' tokens, then prefill in what is left; "
+                "0 or -1: no budget (whole prompts, up to --max-prefill-tokens, beside the decodes)"})
     max_prefill_tokens: int = field(default=16384, metadata={"help": "most tokens in one prefill batch"})
     schedule_policy: str = field(default="lpm", metadata={"help": "one of " + ", ".join(SCHEDULE_POLICIES)})
     disable_radix_cache: bool = field(default=False, metadata={"help": "no prefix sharing"})
@@ -34,6 +39,11 @@ class ServerArgs:
     constraint_timeout: float = field(default=30.0, metadata={
         "help": "seconds a regex or JSON schema may take to compile before its request fails (400)"})
     attention_backend: str = field(default="auto", metadata={"help": "torch or triton (auto: torch on CPU, triton on CUDA)"})
+    linear_kernel: str = field(default="auto", metadata={
+        "help": "the CPU matmul kernel: torch (F.linear, MKL), onednn, or auto (the faster on this CPU, timed at start)"})
+    deterministic: bool = field(default=False, metadata={
+        "help": "batch-invariant: a request's tokens and logprobs bitwise the same whatever it shares a step with, "
+                "however its prompt is chunked and whatever the cache holds (greedy or seeded sampling; slower)"})
     random_seed: int = field(default=0, metadata={"help": "seed of the global sampling generator"})
     init_new_token_ratio: float = field(default=0.7, metadata={"help": "share of max_new_tokens reserved per running request at admission"})
     min_new_token_ratio: float = field(default=0.1, metadata={"help": "floor that the reserved share decays to"})
@@ -55,6 +65,8 @@ class ServerArgs:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.attention_backend not in ATTENTION_BACKENDS + ("auto",):
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.linear_kernel not in ("auto", "torch", "onednn"):
+            raise ValueError(f"linear_kernel must be auto, torch or onednn, got {self.linear_kernel!r}")
         if self.page_size < 0:
             raise ValueError("page_size must be >= 0")
         if self.max_running_requests < 1:
@@ -74,7 +86,7 @@ class ServerArgs:
 
     @property
     def chunk_size(self) -> int | None:
-        """Prompt tokens per prefill step, or None when chunking is off."""
+        """The token budget of one step, or None when there is none (chunking off)."""
         return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None
 
     @classmethod

@@ -4,8 +4,10 @@ Requests arrive as a Poisson process at `--request-rate` (inf: all at once), at
 most `--max-concurrency` in flight; every request streams, so each token's
 arrival is timed. Prompts are token ids (exact lengths, no tokenizer needed):
 `random` draws input/output lengths around the given means; `shared-prefix`
-gives every request one common prefix, as a system prompt or few-shot block
-would. Outputs run to their length (`ignore_eos`).
+puts a common prefix before each request's own tokens, as a system prompt or
+few-shot block would (`--num-groups` N: N distinct prefixes, request i drawing
+prefix i mod N, so the groups arrive interleaved). Outputs run to their length
+(`ignore_eos`).
 
 Reported: request and token throughput; TTFT (time to first token), TPOT
 (time per output token after the first), ITL (gap between streamed chunks) and
@@ -45,17 +47,20 @@ class Outcome:
 
 
 def make_requests(dataset: str, num: int, input_len: int, output_len: int, range_ratio: float, prefix_len: int,
-                  seed: int, vocab: int = 20000) -> list[Request]:
+                  seed: int, vocab: int = 20000, num_groups: int = 1) -> list[Request]:
     """Deterministic synthetic requests: token ids in [100, vocab), lengths uniform within
-    ±range_ratio of the means."""
+    ±range_ratio of the means; shared-prefix: request i starts with prefix i % num_groups."""
+    assert num_groups >= 1, num_groups
     rng = random.Random(seed)
 
     def length(mean: int) -> int:
         return max(1, rng.randint(int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))))
 
-    prefix = [rng.randrange(100, vocab) for _ in range(prefix_len)] if dataset == "shared-prefix" else []
-    return [Request(prefix + [rng.randrange(100, vocab) for _ in range(length(input_len))], length(output_len))
-            for _ in range(num)]
+    shared = dataset == "shared-prefix"
+    prefixes = [[rng.randrange(100, vocab) for _ in range(prefix_len if shared else 0)] for _ in range(num_groups)]
+    return [Request(prefixes[i % num_groups] + [rng.randrange(100, vocab) for _ in range(length(input_len))],
+                    length(output_len))
+            for i in range(num)]
 
 
 async def _native(client: httpx.AsyncClient, req: Request) -> Outcome:
@@ -111,8 +116,10 @@ async def run(base_url: str, backend: str, requests: list[Request], rate: float,
               model: str = "default", seed: int = 0) -> tuple[list[Outcome], float]:
     limit = asyncio.Semaphore(concurrency or len(requests))
     rng = np.random.default_rng(seed)
-    async with httpx.AsyncClient(base_url=base_url, timeout=None,
-                                 limits=httpx.Limits(max_connections=concurrency or len(requests))) as client:
+    # a fresh connection per request: servers close idle keep-alive connections on their own
+    # schedule (llama-server after a few seconds), and a request sent on one being closed is lost
+    limits = httpx.Limits(max_connections=concurrency or len(requests), max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits) as client:
         async def one(req: Request) -> Outcome:
             async with limit:
                 return await (_native(client, req) if backend == "native" else _openai(client, req, model))
@@ -176,6 +183,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform within ±this share of the mean")
     p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: the common prefix's tokens")
+    p.add_argument("--num-groups", type=int, default=1,
+                   help="shared-prefix: distinct prefixes; request i gets prefix i mod N (groups interleaved)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -183,8 +192,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(ns: argparse.Namespace) -> int:
+    if ns.num_groups < 1:
+        raise SystemExit("--num-groups must be >= 1")
     requests = make_requests(ns.dataset, ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio,
-                             ns.prefix_len, ns.seed)
+                             ns.prefix_len, ns.seed, num_groups=ns.num_groups)
     outcomes, duration = asyncio.run(run(ns.base_url, ns.backend, requests, ns.request_rate, ns.max_concurrency,
                                          ns.model, ns.seed))
     summary = summarize(outcomes, duration)

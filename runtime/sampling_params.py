@@ -154,6 +154,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether the token counts of the context change this request's logits."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
     def to_dict(self) -> dict[str, Any]:
         """A deep copy as plain Python values; ``from_dict`` round-trips it."""
         return asdict(self)

@@ -6,16 +6,24 @@ import torch
 
 
 class KVPool:
-    """K/V of every cached token: k[layer][slot] is [kv_heads, head_dim]."""
+    """K/V of every cached token: k[layer][slot] is [kv_heads, head_dim].
+
+    Stored head-major (`k_heads[layer]` is [kv_heads, slots, head_dim]) so that one KV head's
+    keys of a request are contiguous rows once gathered: attention reads them in a batched
+    matmul as they lie, with no copy into another layout. `k[layer]` is the slot-major view of
+    the same memory.
+    """
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
         self.num_slots = num_slots
         # Zeroed, not empty: padded gathers read unused slots, and garbage could hold NaNs
         # that a masked-out attention weight of 0 would still turn into NaN.
-        shape = (num_slots, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_kv_heads, num_slots, head_dim)
+        self.k_heads = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_heads = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [t.transpose(0, 1) for t in self.k_heads]
+        self.v = [t.transpose(0, 1) for t in self.v_heads]
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer][slots] = k

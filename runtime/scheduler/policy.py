@@ -1,9 +1,8 @@
-"""Which waiting requests go first, and how many fit: the scheduler's admission rules."""
+"""Which waiting requests go first, and how much decode room each is reserved."""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Callable
 
 from runtime.scheduler.req import Req
@@ -49,21 +48,6 @@ def _dfs_weight(waiting: list[Req], node_of: dict[int, object]) -> list[Req]:
         kids = [c for c in node.children.values() if weight.get(id(c))]
         stack.extend(sorted(kids, key=lambda c: weight[id(c)]))  # heaviest popped first
     return order
-
-
-@dataclass
-class Budget:
-    """What one prefill step may still take."""
-
-    tokens: int  # max_prefill_tokens left
-    chunk: int | None  # chunked_prefill_size left (None: no chunking)
-    pages: int  # free + evictable pages minus what running requests have reserved
-
-    def take(self, tokens: int, pages: int) -> None:
-        self.tokens -= tokens
-        if self.chunk is not None:
-            self.chunk -= tokens
-        self.pages -= pages
 
 
 def reserved_decode_tokens(req: Req, ratio: float) -> int:

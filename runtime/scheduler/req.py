@@ -65,6 +65,7 @@ class Req:
         self.grammar: Any = None  # its compiled Grammar, once ready
         self.guide: Any = None  # outlines-core Guide: the constraint automaton's state
         self.replaced = 0  # already reported output tokens that jump-forward re-encoded, to report
+        self.penalty_counted = 0  # output tokens in its row of the kept penalty counts (-1: rebuild)
 
     @property
     def prompt_len(self) -> int:
@@ -87,6 +88,10 @@ class Req:
         # position 0 has no logprob but holds a None, so the list always ends at prompt_len
         got = len(self.input_logprobs) if self.input_logprobs is not None else 0
         return got == self.prompt_len - max(self.logprob_start_len, 0)
+
+    def token_at(self, position: int) -> int:
+        n = self.prompt_len
+        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output."""

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 class ForwardMode(Enum):
-    EXTEND = "extend"  # new tokens after a (possibly empty) cached prefix: prefill and prefill chunks
+    EXTEND = "extend"  # new tokens after a (possibly empty) cached prefix: prefill chunks, decode rows beside them
     DECODE = "decode"  # exactly one new token per request
 
 
@@ -30,6 +30,7 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [B] prefix + extend
     max_extend_len: int
     max_seq_len: int
+    num_decode: int  # rows [0, num_decode) have one new token each and come first (every row in DECODE)
     kv_pool: KVPool
     req_to_token: ReqToTokenTable
     attn_backend: AttentionBackend

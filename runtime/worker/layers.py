@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.worker.gemm import linear
 from runtime.worker.loader import Weight
 from runtime.worker.parallel import TPContext
 
@@ -50,7 +51,7 @@ class MergedColumnLinear(nn.Module):
         param.data[at : at + size].copy_(loaded.rows(first, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -65,7 +66,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.cols(*self.tp.shard(loaded.shape[1])))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return self.tp.all_reduce(linear(x, self.weight))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -95,7 +96,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits: each rank computes its rows, then they are gathered."""
-        local = F.linear(hidden, self.weight)
+        local = linear(hidden, self.weight)
         return self.tp.all_gather_last_dim(local)[..., : self.vocab_size]
 
 

@@ -13,6 +13,7 @@ from runtime.args import ServerArgs
 from runtime.cache.kv_pool import KVPool, ReqToTokenTable
 from runtime.worker.attention.base import AttentionBackend
 from runtime.worker.forward_batch import ForwardBatch, ForwardMode
+from runtime.worker import gemm
 from runtime.worker.loader import ModelSource, iter_weights, load_config
 from runtime.worker.model_config import ModelConfig
 from runtime.worker.models.llama import ARCHITECTURES
@@ -46,6 +47,7 @@ class WorkerBatch:
     top_logprobs_num: int = 0
     prompt_rows: torch.Tensor | None = None  # [P] packed-token indices whose next-token logprob is wanted
     prompt_targets: torch.Tensor | None = None  # [P] the token that follows each of them
+    num_decode: int = 0  # rows [0, num_decode) have one new token each, packed first (all of them in DECODE)
 
 
 @dataclass
@@ -101,6 +103,7 @@ class ModelWorker:
                               cfg.head_dim, self.dtype, self.device)
         self.req_to_token = ReqToTokenTable(args.max_running_requests + 1, self.context_length + 1, self.device)
         self.attn_backend = self._attention_backend()
+        self.linear_mode = gemm.LinearMode(self._linear_kernel(), args.deterministic)
         self.sampler = Sampler()
         torch.manual_seed(args.random_seed)
 
@@ -140,7 +143,21 @@ class ModelWorker:
             raise ValueError(f"KV pool of {tokens} tokens is too small for page size {self.page_size}")
         return pages
 
+    def _linear_kernel(self) -> str:
+        name = self.args.linear_kernel
+        if name != "auto":
+            if name not in gemm.available(self.device):
+                raise ValueError(f"--linear-kernel {name} is not available on {self.device}")
+            return name
+        layer = self.model.layers[0]  # one layer's matrices and the LM head: every shape the step runs
+        weights = [p for n, p in layer.named_parameters() if n.endswith("proj.weight")]
+        return gemm.pick_kernel(weights + [self.model.lm_head.weight], self.device)
+
     def _attention_backend(self) -> AttentionBackend:
+        if self.args.deterministic:
+            from runtime.worker.attention.invariant_backend import InvariantAttention
+
+            return InvariantAttention()
         name = self.args.attention_backend
         if name == "auto":
             name = "triton" if self.device.type == "cuda" else "torch"
@@ -156,6 +173,10 @@ class ModelWorker:
 
     @torch.inference_mode()
     def forward(self, b: WorkerBatch) -> WorkerOutput:
+        with gemm.linear_mode(self.linear_mode):
+            return self._forward(b)
+
+    def _forward(self, b: WorkerBatch) -> WorkerOutput:
         if self.tp.size > 1:
             send_batch(b, self.req_to_token.table, self.tp)
         hidden = self._hidden(b)
@@ -195,17 +216,18 @@ class ModelWorker:
         its `forward` (the logits gathers included); only rank 0 samples."""
         while True:
             b = receive_batch(self.req_to_token.table, self.tp)
-            hidden = self._hidden(b)
-            if b.prompt_rows.numel():
-                self.model.compute_logits(hidden[b.prompt_rows])
-            if b.sample_rows.numel():
-                self.model.compute_logits(hidden[b.sample_rows])
+            with gemm.linear_mode(self.linear_mode):
+                hidden = self._hidden(b)
+                if b.prompt_rows.numel():
+                    self.model.compute_logits(hidden[b.prompt_rows])
+                if b.sample_rows.numel():
+                    self.model.compute_logits(hidden[b.sample_rows])
 
     def _hidden(self, b: WorkerBatch) -> torch.Tensor:
         fb = ForwardBatch(
             mode=b.mode, input_ids=b.input_ids, positions=b.positions, out_slots=b.out_slots,
             req_rows=b.req_rows, prefix_lens=b.prefix_lens, extend_lens=b.extend_lens, seq_lens=b.seq_lens,
-            max_extend_len=b.max_extend_len, max_seq_len=b.max_seq_len, kv_pool=self.kv_pool,
+            max_extend_len=b.max_extend_len, max_seq_len=b.max_seq_len, num_decode=b.num_decode, kv_pool=self.kv_pool,
             req_to_token=self.req_to_token, attn_backend=self.attn_backend,
         )
         self.attn_backend.prepare(fb)

@@ -6,13 +6,16 @@ blocking -> greedy rows take the argmax; sampled rows divide by temperature,
 softmax, apply top-k, top-p, min-p and draw with an exponential race.
 
 Every per-row setting is one tensor per field per step (``SamplingBatch``), so
-the hot path has no per-token Python loops.
+the hot path has no per-token Python loops. Top-k takes the batch's largest k
+with ``topk`` instead of sorting the vocabulary; when every sampled row has a
+top-k the race runs over those candidates alone. Seeded rows draw their noise
+from a counter-based hash of (seed, step, token id), all in one batched call.
 """
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
-from itertools import chain
 from typing import NamedTuple, Sequence
 
 import torch
@@ -21,7 +24,18 @@ from runtime.sampling_params import SamplingParams
 
 # Below this the softmax of logits / T overflows float32; T -> 0 is argmax anyway.
 _MIN_TEMPERATURE = 1e-5
-_MASK64 = (1 << 64) - 1
+
+
+def _int64(value: int) -> int:
+    """``value`` mod 2^64 as the signed int64 with the same bits."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+# SplitMix64's increment and multipliers, as the int64s torch computes with.
+_GAMMA = _int64(0x9E3779B97F4A7C15)
+_MIX1 = _int64(0xBF58476D1CE4E5B9)
+_MIX2 = _int64(0x94D049BB133111EB)
 
 
 @dataclass
@@ -43,6 +57,9 @@ class SamplingBatch:
     need_top_p: bool
     need_top_k: bool
     need_min_p: bool
+    max_top_k: int  # largest top-k of the sampled rows that use one; 0 if none does
+    all_top_k: bool  # every sampled row uses top-k: only the max_top_k best tokens can be drawn
+    need_full_sort: bool  # a sampled row uses top-p without top-k
     repetition_penalties: torch.Tensor | None  # [B, 1]
     seen_mask: torch.Tensor | None  # [B, V] bool: token occurs in prompt + output
     frequency_penalties: torch.Tensor | None  # [B, 1]
@@ -50,8 +67,8 @@ class SamplingBatch:
     output_counts: torch.Tensor | None  # [B, V] float32: occurrences in output
     logit_bias: torch.Tensor | None  # [B, V] float32
     min_tokens_block: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) -> -inf
-    seeded_rows: list[int]  # sampled rows whose request has a seed
-    step_seeds: list[int]  # per seeded row: its seed mixed with len(output_ids)
+    seeded_rows: torch.Tensor | None  # [S] int64: sampled rows whose request has a seed
+    step_seeds: torch.Tensor | None  # [S] int64: per seeded row, its seed mixed with len(output_ids)
     grammar_mask: torch.Tensor | None = None  # [B, ceil(V/32)] int32 allowed-token bits (constrained rows)
 
     @property
@@ -72,14 +89,20 @@ class SamplingBatch:
         eos_token_ids: Sequence[int],
         vocab_size: int,
         device: torch.device | str,
+        counts: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SamplingBatch:
-        """Gather row settings into tensors on ``device``; params must be validated."""
+        """Gather row settings into tensors on ``device``; params must be validated. ``counts``:
+        the rows' (seen, output counts) kept across steps (``PenaltyCounts.gather``), instead of
+        counting the ids here; rows without penalties may hold anything there."""
         assert len(params) == len(prompt_ids) == len(output_ids)
         greedy = [p.is_greedy or p.temperature < _MIN_TEMPERATURE for p in params]
         sampled = [p for p, g in zip(params, greedy) if not g]
-        rep_penalties, seen = _repetition_tensors(params, prompt_ids, output_ids, vocab_size, device)
-        freq, pres, counts = _frequency_presence_tensors(params, output_ids, vocab_size, device)
-        seeded = [i for i, (p, g) in enumerate(zip(params, greedy)) if p.seed is not None and not g]
+        sampled_top_ks = [_top_k_or_all(p, vocab_size) for p in sampled]
+        rep_penalties, seen = _repetition_tensors(params, prompt_ids, output_ids, vocab_size, device,
+                                                  counts[0] if counts else None)
+        freq, pres, output_counts = _frequency_presence_tensors(params, output_ids, vocab_size, device,
+                                                                counts[1] if counts else None)
+        seeded_rows, step_seeds = _seed_tensors(params, greedy, output_ids, device)
         return cls(
             temperatures=_column([1.0 if g else p.temperature for p, g in zip(params, greedy)], device),
             top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
@@ -89,17 +112,20 @@ class SamplingBatch:
             all_greedy=all(greedy),
             any_greedy=any(greedy),
             need_top_p=any(p.top_p < 1 for p in sampled),
-            need_top_k=any(_top_k_or_all(p, vocab_size) < vocab_size for p in sampled),
+            need_top_k=any(k < vocab_size for k in sampled_top_ks),
             need_min_p=any(p.min_p > 0 for p in sampled),
+            max_top_k=max((k for k in sampled_top_ks if k < vocab_size), default=0),
+            all_top_k=bool(sampled) and all(k < vocab_size for k in sampled_top_ks),
+            need_full_sort=any(p.top_p < 1 and k == vocab_size for p, k in zip(sampled, sampled_top_ks)),
             repetition_penalties=rep_penalties,
             seen_mask=seen,
             frequency_penalties=freq,
             presence_penalties=pres,
-            output_counts=counts,
+            output_counts=output_counts,
             logit_bias=_logit_bias_tensor(params, vocab_size, device),
             min_tokens_block=_min_tokens_block(params, output_ids, eos_token_ids, device),
-            seeded_rows=seeded,
-            step_seeds=[_step_seed(params[i].seed, len(output_ids[i])) for i in seeded],
+            seeded_rows=seeded_rows,
+            step_seeds=step_seeds,
         )
 
 
@@ -157,57 +183,121 @@ def filter_probs(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
     top-p is measured against the mass left after top-k (HF / vLLM order);
     min-p is relative to the largest probability, which every filter keeps.
+    Only a top-p row without top-k costs a sort of the vocabulary; top-k takes
+    the batch's largest k with ``topk``. Ties at a row's k-th probability are
+    broken arbitrarily either way, as by any unstable sort.
     """
-    if batch.need_top_k or batch.need_top_p:
-        probs = _top_k_top_p(probs, batch)
-    if batch.need_min_p:
-        floor = batch.min_ps[:, None] * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill(probs < floor, 0.0)
-    return probs
+    if batch.need_full_sort:
+        ranked, token_ids = probs.sort(dim=-1, descending=True)
+        probs = torch.zeros_like(probs).scatter_(-1, token_ids, _drop_by_rank(ranked, batch))
+    elif batch.need_top_k:
+        ranked, token_ids = probs.topk(batch.max_top_k, dim=-1)  # sorted, largest first
+        kept = torch.zeros_like(probs).scatter_(-1, token_ids, _drop_by_rank(ranked, batch))
+        # Rows without a top-k (nor a top-p, or the sort would have run) keep every token.
+        probs = torch.where(batch.top_ks[:, None] <= batch.max_top_k, kept, probs)
+    return _min_p(probs, batch)
+
+
+def top_k_candidates(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, max_top_k] probabilities, their token ids): what each row may draw, filtered.
+
+    For batches whose every sampled row has a top-k (``all_top_k``): no row can
+    draw outside the batch's max_top_k best logits. top-p (of the top-k mass),
+    min-p (of the top probability) and the race are all relative within those,
+    so the candidates' own softmax serves and the vocabulary needs none.
+    """
+    top, token_ids = logits.topk(batch.max_top_k, dim=-1)  # sorted, largest first
+    probs = _drop_by_rank(torch.softmax(top / batch.temperatures, dim=-1), batch)
+    return _min_p(probs, batch), token_ids
 
 
 def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    probs = torch.softmax(logits / batch.temperatures, dim=-1)
-    probs = filter_probs(probs, batch)
+    if batch.all_top_k:
+        probs, token_ids = top_k_candidates(logits, batch)
+    else:
+        probs = filter_probs(torch.softmax(logits / batch.temperatures, dim=-1), batch)
+        token_ids = None
     # Exponential race: argmax(p / E), E ~ Exp(1) i.i.d., picks index i with
     # probability p_i / sum(p). It is scale-invariant, so no renormalisation,
     # and the whole batch needs a single noise tensor.
-    sampled = (probs / _exponential_noise(probs, batch)).argmax(dim=-1)
+    choice = (probs / _exponential_noise(probs, batch, token_ids)).argmax(dim=-1)
+    sampled = choice if token_ids is None else token_ids.gather(-1, choice[:, None]).squeeze(-1)
     if not batch.any_greedy:
         return sampled
     return torch.where(batch.greedy, logits.argmax(dim=-1), sampled)
 
 
-def _top_k_top_p(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
+def _drop_by_rank(ranked: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Zero what top-k and top-p drop from ``[B, C]`` probabilities sorted largest first."""
     if batch.need_top_k:
-        ranks = torch.arange(probs.shape[-1], device=probs.device)
-        sorted_probs = sorted_probs.masked_fill(ranks >= batch.top_ks[:, None], 0.0)
+        ranks = torch.arange(ranked.shape[-1], device=ranked.device)
+        ranked = ranked.masked_fill(ranks >= batch.top_ks[:, None], 0.0)
     if batch.need_top_p:
-        cumulative = sorted_probs.cumsum(dim=-1)
-        mass_before = cumulative - sorted_probs
+        cumulative = ranked.cumsum(dim=-1)
+        mass_before = cumulative - ranked
         top_ps = batch.top_ps[:, None]
         # Keep tokens while the mass before them is under top_p of the kept
         # mass; the top token (mass_before = 0) always survives. Rows with
         # top_p = 1 are exempt so rounding in the cumsum cannot drop a tail.
         drop = (mass_before >= top_ps * cumulative[:, -1:]) & (top_ps < 1)
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        ranked = ranked.masked_fill(drop, 0.0)
+    return ranked
 
 
-def _exponential_noise(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Exp(1) noise; seeded rows draw theirs from a generator of their own.
+def _min_p(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if not batch.need_min_p:
+        return probs
+    floor = batch.min_ps[:, None] * probs.amax(dim=-1, keepdim=True)
+    return probs.masked_fill(probs < floor, 0.0)
 
-    A seeded row's noise depends only on (seed, output length), so the request
-    samples the same tokens whatever batch it is in and wherever it sits.
+
+def _exponential_noise(
+    probs: torch.Tensor, batch: SamplingBatch, token_ids: torch.Tensor | None
+) -> torch.Tensor:
+    """Exp(1) noise shaped like ``probs``, strictly positive and finite.
+
+    ``token_ids`` names the token of each column; ``None`` means column j is
+    token j. Unseeded rows draw from torch's global generator. A seeded row's
+    noise for token t depends only on (seed, output length, t), so the request
+    samples the same tokens whatever batch it is in, wherever it sits, and
+    whether the race runs over the vocabulary or over top-k candidates.
     """
-    noise = torch.empty_like(probs).exponential_()
-    for row, seed in zip(batch.seeded_rows, batch.step_seeds):
-        generator = torch.Generator(device=probs.device)
-        generator.manual_seed(seed)
-        noise[row].exponential_(generator=generator)
-    # NOTE: some backends can return exactly 0; p / 0 would win every race.
-    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    uniform = torch.rand_like(probs)
+    if batch.seeded_rows is not None:
+        if token_ids is None:
+            tokens = torch.arange(probs.shape[-1], device=probs.device)[None]
+        else:
+            tokens = token_ids[batch.seeded_rows]
+        uniform[batch.seeded_rows] = counter_uniform(batch.step_seeds[:, None], tokens)
+    # NOTE: rand may return exactly 0 (-log -> inf: the token could never win),
+    # and a backend that rounds to 1 would give E = 0 (p / 0 wins every race).
+    below_one = 1.0 - torch.finfo(uniform.dtype).eps / 2
+    return uniform.clamp_(torch.finfo(uniform.dtype).tiny, below_one).log_().neg_()
+
+
+def counter_uniform(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """float32 uniforms in (0, 1): SplitMix64 output number ``counter`` of the stream seeded by ``key``.
+
+    ``keys`` and ``counters`` are int64 and broadcast against each other. The
+    top 23 bits make the midpoints (m + 0.5) / 2^23, all exact in float32, so
+    neither 0 nor 1 can come out.
+    """
+    bits = mix64(keys + (counters + 1) * _GAMMA)
+    return ((bits >> 41) & ((1 << 23) - 1)).float().add_(0.5).mul_(2.0**-23)
+
+
+def mix64(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's output function on an int64 tensor, in place (callers pass a fresh tensor).
+
+    int64 multiplication wraps mod 2^64 like the unsigned original; ``>>`` on
+    int64 is arithmetic, so each shift is masked to the logical shift.
+    """
+    z ^= (z >> 30) & ((1 << 34) - 1)
+    z *= _MIX1
+    z ^= (z >> 27) & ((1 << 37) - 1)
+    z *= _MIX2
+    z ^= (z >> 31) & ((1 << 33) - 1)
+    return z
 
 
 def _with_logprobs(
@@ -231,18 +321,92 @@ def _top_k_or_all(p: SamplingParams, vocab_size: int) -> int:
     return vocab_size if p.top_k < 1 else min(p.top_k, vocab_size)
 
 
+def _seed_tensors(
+    params: Sequence[SamplingParams],
+    greedy: Sequence[bool],
+    output_ids: Sequence[Sequence[int]],
+    device: torch.device | str,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(sampled rows with a seed, their step seeds); (None, None) when there are none."""
+    rows = [i for i, (p, g) in enumerate(zip(params, greedy)) if p.seed is not None and not g]
+    if not rows:
+        return None, None
+    seeds = torch.tensor([_int64(params[i].seed) for i in rows], dtype=torch.int64, device=device)
+    steps = torch.tensor([len(output_ids[i]) for i in rows], dtype=torch.int64, device=device)
+    # Output 0 of the stream keyed by (the seed's output 0) + step: (seed, step) pairs do not alias.
+    step_seeds = mix64(mix64(seeds + _GAMMA) + steps + _GAMMA)
+    return torch.tensor(rows, dtype=torch.int64, device=device), step_seeds
+
+
+class PenaltyCounts:
+    """Token occurrences of request rows kept on the device across steps.
+
+    Rebuilding them every step costs Python work in the context length;
+    here a row is reset once (when a request takes it, or is recomputed) and
+    then grows by the tokens each step emits. ``gather`` gives the two
+    ``[B, V]`` tensors ``SamplingBatch`` penalises with.
+    """
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device | str) -> None:
+        self.vocab_size = vocab_size
+        self.seen = torch.zeros(max_rows, vocab_size, dtype=torch.bool, device=device)  # prompt + output
+        self.output = torch.zeros(max_rows, vocab_size, dtype=torch.float32, device=device)
+
+    def reset(self, row: int, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        device = self.seen.device
+        self.seen[row] = _seen_mask([[prompt_ids, output_ids]], self.vocab_size, device)[0]
+        self.output[row] = _token_counts([[output_ids]], self.vocab_size, device)[0]
+
+    def add(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Count ``token_ids[i]`` as emitted by ``rows[i]``; a row may repeat (several tokens a step)."""
+        self.seen.index_put_((rows, token_ids), torch.tensor(True, device=self.seen.device))
+        ones = torch.ones(token_ids.shape, dtype=torch.float32, device=self.output.device)
+        self.output.index_put_((rows, token_ids), ones, accumulate=True)
+
+    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``[B, V]`` bool seen in prompt + output, ``[B, V]`` float32 output counts) of ``rows``."""
+        return self.seen[rows], self.output[rows]
+
+
+def _flat_token_index(
+    rows: Sequence[Sequence[Sequence[int]]], vocab_size: int, device: torch.device | str
+) -> torch.Tensor:
+    """``row * vocab_size + token`` for every token id of every row; a row is a list of id lists.
+
+    One flat index over all rows' ids: unlike a padded [B, Lmax] layout one
+    long prompt costs no padding in the others, and no list is concatenated.
+    """
+    # array("q", ids) converts a list of ints in C, ~4x faster than torch.tensor(ids).
+    parts = [torch.frombuffer(array("q", ids), dtype=torch.int64) for row in rows for ids in row if ids]
+    if not parts:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    tokens = torch.cat(parts)
+    # NOTE: an id >= vocab_size would silently count in the next row; checked here, on the host.
+    low, high = torch.aminmax(tokens)
+    assert 0 <= int(low) and int(high) < vocab_size, f"token ids outside [0, {vocab_size})"
+    tokens = tokens.to(device)
+    lengths = torch.tensor([sum(len(ids) for ids in row) for row in rows], device=device)
+    offsets = torch.arange(len(rows), device=device) * vocab_size
+    return torch.repeat_interleave(offsets, lengths, output_size=len(tokens)) + tokens
+
+
+def _seen_mask(
+    rows: Sequence[Sequence[Sequence[int]]], vocab_size: int, device: torch.device | str
+) -> torch.Tensor:
+    """``[B, V]`` bool: the token occurs in the row."""
+    index = _flat_token_index(rows, vocab_size, device)
+    seen = torch.zeros(len(rows) * vocab_size, dtype=torch.bool, device=device)
+    return seen.index_fill_(0, index, True).view(len(rows), vocab_size)
+
+
 def _token_counts(
-    rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str
+    rows: Sequence[Sequence[Sequence[int]]], vocab_size: int, device: torch.device | str
 ) -> torch.Tensor:
     """``[B, V]`` float32 occurrence counts of each row's token ids."""
-    # One flat index_put over all rows' ids; unlike a padded [B, Lmax] layout
-    # one long prompt costs no padding in the others.
-    lengths = torch.tensor([len(r) for r in rows], device=device)
-    row_index = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths)
-    token_index = torch.tensor(list(chain.from_iterable(rows)), dtype=torch.int64, device=device)
-    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
-    ones = torch.ones(token_index.shape, dtype=torch.float32, device=device)
-    return counts.index_put_((row_index, token_index), ones, accumulate=True)
+    index = _flat_token_index(rows, vocab_size, device)
+    counts = torch.zeros(len(rows) * vocab_size, dtype=torch.float32, device=device)
+    ones = torch.ones(index.shape, dtype=torch.float32, device=device)
+    return counts.index_add_(0, index, ones).view(len(rows), vocab_size)
 
 
 def _repetition_tensors(
@@ -251,14 +415,17 @@ def _repetition_tensors(
     output_ids: Sequence[Sequence[int]],
     vocab_size: int,
     device: torch.device | str,
+    kept: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     if all(p.repetition_penalty == 1.0 for p in params):
         return None, None
+    if kept is not None:  # penalty 1 leaves a row's logits bit-identical, whatever it holds here
+        return _column([p.repetition_penalty for p in params], device), kept
     rows = [
-        [*prompt, *output] if p.repetition_penalty != 1.0 else []
+        [prompt, output] if p.repetition_penalty != 1.0 else []
         for p, prompt, output in zip(params, prompt_ids, output_ids)
     ]
-    seen = _token_counts(rows, vocab_size, device) > 0
+    seen = _seen_mask(rows, vocab_size, device)
     return _column([p.repetition_penalty for p in params], device), seen
 
 
@@ -267,15 +434,18 @@ def _frequency_presence_tensors(
     output_ids: Sequence[Sequence[int]],
     vocab_size: int,
     device: torch.device | str,
+    kept: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     uses = [p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params]
     if not any(uses):
         return None, None, None
-    rows = [output if use else [] for output, use in zip(output_ids, uses)]
+    if kept is None:
+        rows = [[output] if use else [] for output, use in zip(output_ids, uses)]
+        kept = _token_counts(rows, vocab_size, device)
     return (
         _column([p.frequency_penalty for p in params], device),
         _column([p.presence_penalty for p in params], device),
-        _token_counts(rows, vocab_size, device),
+        kept,
     )
 
 
@@ -314,16 +484,3 @@ def _min_tokens_block(
     if not rows:
         return None
     return torch.tensor(rows, device=device), torch.tensor(cols, device=device)
-
-
-def _mix64(x: int) -> int:
-    """SplitMix64 finaliser: spreads nearby integers over all 64 bits."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def _step_seed(seed: int, step: int) -> int:
-    """Generator seed for a request's ``step``-th token; (seed, step) pairs do not alias."""
-    return _mix64((_mix64(seed & _MASK64) + step) & _MASK64)

@@ -27,7 +27,7 @@ from runtime.worker.parallel import SINGLE, TPContext
 log = logging.getLogger("radixlm.tp")
 
 _MODES = [ForwardMode.EXTEND, ForwardMode.DECODE]
-_HEADER = 8  # mode, tokens, requests, sampled rows, prompt rows, table columns, max extend length, spare
+_HEADER = 8  # mode, tokens, requests, sampled rows, prompt rows, table columns, max extend length, decode rows
 
 
 def init_group(args: ServerArgs, rank: int) -> TPContext:
@@ -47,7 +47,7 @@ def send_batch(b, table: torch.Tensor, tp: TPContext) -> None:
     cols = b.max_seq_len
     prompt_rows = b.prompt_rows if b.prompt_rows is not None else b.sample_rows[:0]
     header = torch.tensor([_MODES.index(b.mode), b.input_ids.numel(), b.req_rows.numel(), b.sample_rows.numel(),
-                           prompt_rows.numel(), cols, b.max_extend_len, 0], dtype=torch.int64, device=table.device)
+                           prompt_rows.numel(), cols, b.max_extend_len, b.num_decode], dtype=torch.int64, device=table.device)
     payload = torch.cat([b.input_ids, b.positions, b.out_slots, b.req_rows, b.prefix_lens, b.extend_lens, b.seq_lens,
                          b.sample_rows, prompt_rows, table[b.req_rows, :cols].reshape(-1)])
     dist.broadcast(header, 0, group=tp.group)
@@ -61,7 +61,7 @@ def receive_batch(table: torch.Tensor, tp: TPContext):
 
     header = torch.empty(_HEADER, dtype=torch.int64, device=table.device)
     dist.broadcast(header, 0, group=tp.group)
-    mode, tokens, reqs, sampled, prompt, cols, max_extend, _ = header.tolist()
+    mode, tokens, reqs, sampled, prompt, cols, max_extend, num_decode = header.tolist()
     sizes = [tokens] * 3 + [reqs] * 4 + [sampled, prompt, reqs * cols]
     payload = torch.empty(sum(sizes), dtype=torch.int64, device=table.device)
     dist.broadcast(payload, 0, group=tp.group)
@@ -69,7 +69,8 @@ def receive_batch(table: torch.Tensor, tp: TPContext):
     table[rows, :cols] = rows_table.view(reqs, cols)
     return WorkerBatch(mode=_MODES[mode], input_ids=ids, positions=positions, out_slots=slots, req_rows=rows,
                        prefix_lens=prefix, extend_lens=ext, seq_lens=seq, max_extend_len=max_extend,
-                       max_seq_len=cols, sample_rows=sample_rows, sampling=None, prompt_rows=prompt_rows)
+                       max_seq_len=cols, sample_rows=sample_rows, sampling=None, prompt_rows=prompt_rows,
+                       num_decode=num_decode)
 
 
 def run_follower(args: ServerArgs, rank: int, ready: Connection) -> None:

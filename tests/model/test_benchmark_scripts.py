@@ -24,6 +24,20 @@ def test_micro_benchmarks_quick():
     assert len(ratios) == 2 and all(r > 0.5 for r in ratios)  # no step beats the roofline floor by 2x
 
 
+def test_step_cost_quick():
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "step_cost.py"), "--quick"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert re.search(r"^CPU: .+, \d+ cores", out, re.M) and "GFLOP/s" in out
+    decode = re.findall(r"^\| (1|8) \| ([\d.]+) \| (\d+) \| (\d+) \| (\d+)% \|$", out, re.M)
+    assert [d[0] for d in decode] == ["1", "8"] and all(0 < float(d[1]) for d in decode)
+    mixed = re.findall(r"^\| 8 \| (\d+) \| ([\d.]+) \| ", out, re.M)
+    assert [m[0] for m in mixed] == ["0", "64", "256"]
+    assert float(mixed[2][1]) > float(mixed[0][1]), "a step with a prompt on it costs more than decode alone"
+    assert "| --deterministic |" in out and re.search(r"^\| 8 \| 2 \| .+ \| [+-][\d.]+% \|$", out, re.M)
+
+
 def test_run_all_quick(tmp_path):
     """Every workload on the systems that make the ratios (llama.cpp needs a binary built by hand;
     `radixlm fcfs` differs only in an option, and the scheduler's property tests run every policy)."""

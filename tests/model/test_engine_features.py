@@ -219,8 +219,42 @@ def test_max_running_requests_caps_the_batch(tiny_llama):
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_a_forward_that_raises_fails_its_batch_and_the_rest_carry_on(tiny_llama, page_size, caplog):
+def test_a_running_request_that_faults_fails_alone_and_the_prompts_beside_it_run_after(tiny_llama, page_size, caplog):
+    """The other way round: the mixed pass faults because of its decode row. The decodes alone
+    fault again, so they fail; the prompt that rode with them steps back and runs next step."""
     engine = tiny_llama.engine(page_size=page_size)
+    sched, forward, calls = engine.scheduler, engine.worker.forward, []
+
+    def flaky(batch):
+        calls.append(batch.input_ids.numel())
+        if sched._live.get("a") is not None and sched._live["a"].row in batch.req_rows.tolist() and len(calls) >= 3:
+            raise RuntimeError("injected fault")
+        return forward(batch)
+
+    engine.worker.forward = flaky
+    greedy = dict(max_new_tokens=12, temperature=0)
+    a, b = tiny_llama.prompts[0], tiny_llama.prompts[1]
+    sched.add_request(TokenizedRequest("a", a, SamplingParams(**greedy)))
+    finished = {}
+    for step in range(60):
+        if step == 2:
+            sched.add_request(TokenizedRequest("b", b, SamplingParams(**greedy)))
+        for out in sched.step():
+            finished.setdefault(out.rid, []).extend(out.new_token_ids)
+            if out.finish_reason:
+                finished[out.rid + ".finish"] = out.finish_reason
+        if not sched.has_work:
+            break
+    assert calls[2:5] == [1 + len(b), 1, len(b)], "mixed pass, a's decode alone, then b's prefill alone"
+    assert finished["a.finish"]["status"] == 500 and "error id" in finished["a.finish"]["message"]
+    assert finished["b.finish"]["type"] == "length"
+    assert_matches(finished["b"], tiny_llama.refs[1].truncated(12), "b, after stepping back")
+    assert_drained(engine)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_forward_that_raises_fails_its_batch_and_the_rest_carry_on(tiny_llama, page_size, caplog):
+    engine = tiny_llama.engine(page_size=page_size, max_running_requests=2)
     sched, forward, calls = engine.scheduler, engine.worker.forward, []
 
     def flaky(batch):
@@ -231,25 +265,29 @@ def test_a_forward_that_raises_fails_its_batch_and_the_rest_carry_on(tiny_llama,
 
     engine.worker.forward = flaky
     greedy = dict(max_new_tokens=12, temperature=0)
-    a, b = tiny_llama.prompts[0], tiny_llama.prompts[1]
+    a, b, c = tiny_llama.prompts[0], tiny_llama.prompts[1], tiny_llama.prompts[2]
     sched.add_request(TokenizedRequest("a", a, SamplingParams(**greedy)))
     finished = {}
-    for step in range(40):
-        if step == 2:  # a is decoding; b's prefill will be the failing pass
+    for step in range(60):
+        if step == 2:  # a is decoding; b's prefill rides with a's token in the failing pass; c waits
             sched.add_request(TokenizedRequest("b", b, SamplingParams(**greedy)))
+            sched.add_request(TokenizedRequest("c", c, SamplingParams(**greedy)))
         for out in sched.step():
             finished.setdefault(out.rid, []).extend(out.new_token_ids)
             if out.finish_reason:
                 finished[out.rid + ".finish"] = out.finish_reason
         if not sched.has_work:
             break
-    assert calls[2] == len(b), "the third pass is b's prefill"
+    assert calls[2] == 1 + len(b), "the third pass is a's decode and b's prefill"
+    assert calls[3] == 1, "then a's decode alone, to tell whose fault it was"
     fail = finished["b.finish"]
     assert fail["type"] == "abort" and fail["status"] == 500 and "error id" in fail["message"]
     error_id = fail["message"].split("error id ")[1].rstrip(")")
     assert error_id in caplog.text and "injected fault" in caplog.text  # the traceback is logged under the id
     assert finished["a.finish"]["type"] == "length"
     assert_matches(finished["a"], tiny_llama.refs[0].truncated(12), "a, decoding past the failure")
+    assert finished["c.finish"]["type"] == "length"
+    assert_matches(finished["c"], tiny_llama.refs[2].truncated(12), "c, admitted after the failure")
     assert_drained(engine)
     retry = engine.generate(input_ids=b, sampling_params=greedy)  # the engine serves on, from a clean cache
     assert_matches(retry["output_ids"], tiny_llama.refs[1].truncated(12), "b, retried")

@@ -77,13 +77,14 @@ def test_decode_length_buckets(tiny_llama, monkeypatch, page_size):
 
     monkeypatch.setattr(torch_backend, "BUCKET_COST_KEYS", 0)
     buckets = []
-    bucketed = torch_backend.TorchAttention._bucketed_decode
+    prepare = torch_backend._prepare_decode
 
-    def counting(q, layer, scale, fb, groups):
-        buckets.append(len(groups))
-        return bucketed(q, layer, scale, fb, groups)
+    def counting(*args):
+        plan = prepare(*args)
+        buckets.append(len(plan[0]))
+        return plan
 
-    monkeypatch.setattr(torch_backend.TorchAttention, "_bucketed_decode", staticmethod(counting))
+    monkeypatch.setattr(torch_backend, "_prepare_decode", counting)
     engine = tiny_llama.engine(page_size=page_size, disable_radix_cache=True)
     for i, (out, ref) in enumerate(zip(_run(engine, tiny_llama.prompts, "all", "buckets"), tiny_llama.refs)):
         assert_matches(out, ref, f"length buckets, page {page_size}, prompt {i}")

@@ -1,22 +1,21 @@
-"""Reference attention over the paged KV pool with torch's scaled_dot_product_attention.
+"""Attention over the paged KV pool in torch ops, ragged: no row is padded to the batch's longest.
 
-Requests are padded to one rectangle per step: queries to [B, heads, Qmax, d] and
-keys/values gathered through the token table to [B, kv_heads, Kmax, d], with a
-boolean mask that encodes both the padding and causality. The gather indices
-and the mask are built once per step and reused by every layer.
+A step's packed batch has its one-token rows first (decodes, and prompts whose last token is
+all that is left) and then its extend rows (prefill chunks, jump-forward text); the two take
+different paths, and everything either path indexes is built once per step (`prepare`) and
+reused by every layer.
 
-Decode has one shortcut: when every request of the batch starts with the same
-KV slots (a shared prompt, as the radix cache arranges), that common prefix is
-read once and attended by all queries in one matmul, and only each request's
-own suffix is gathered; the two partial softmaxes are merged by their
-log-sum-exp ("cascade" attention). Otherwise a long shared prefix would be
-copied once per request, in every layer, every step.
+Decode rows. The query heads that share a KV head attend as one [group, d] block, so K/V are
+never repeated per head. Rows whose contexts begin with the same slots (the radix cache hands
+requests with a common prompt the same pages) form a group: the group's shared prefix is read
+once, all its queries against it in one matmul, and each row gathers only its own suffix;
+the two partial softmaxes are merged by their log-sum-exp ("cascade" attention, per group:
+four system prompts in one batch are four groups). The suffixes are split into length buckets,
+each padded only to its own longest (a 20-token chat next to a 1,500-token document), choosing
+the split that minimizes the keys gathered plus a fixed cost per bucket.
 
-Without a shared prefix, a decode batch whose contexts differ widely (a
-20-token chat next to a 1,500-token document) is split into length buckets,
-each padded only to its own longest context: padding would otherwise gather
-and attend over keys that are masked out. The split minimizes the keys
-gathered plus a fixed cost per bucket (its extra gathers and launches).
+Extend rows go to torch's scaled_dot_product_attention with a causal mask, in length buckets
+chosen the same way, each padded to its own longest query and context.
 """
 
 from __future__ import annotations
@@ -29,130 +28,112 @@ import torch.nn.functional as F
 
 from runtime.utils import ragged_arange
 from runtime.worker.attention.base import AttentionBackend
-from runtime.worker.forward_batch import ForwardBatch, ForwardMode
+from runtime.worker.forward_batch import ForwardBatch
 
 # Shortest common prefix worth the cascade's second pass (tokens).
 CASCADE_MIN_PREFIX = 32
-# What one more decode bucket costs, in padded keys: its own gathers, mask and attention call per layer.
+# What one more bucket costs, in padded keys: its own gathers, mask and attention call per layer.
 BUCKET_COST_KEYS = 512
 # Candidate bucket edges: where the sorted context lengths cross a power of this ratio.
 BUCKET_GRID = 1.25
 
 
-class TorchAttnMeta(NamedTuple):
-    kv_slots: torch.Tensor  # [B, K] slot of each key position (padding points at a real, masked slot)
-    query_dest: torch.Tensor | None  # [T] flat index of each packed token in the [B * Qmax] padded queries
-    mask: torch.Tensor  # [B, 1, Qmax, K] True where attention is allowed
-    shared_slots: torch.Tensor | None = None  # decode cascade: [L] slots every request starts with
-    buckets: list[DecodeBucket] | None = None  # decode by length buckets (kv_slots and mask unused then)
-
-
 class DecodeBucket(NamedTuple):
-    rows: torch.Tensor  # [b] the bucket's requests, as positions in the batch
-    kv_slots: torch.Tensor  # [b, K_b]
-    mask: torch.Tensor  # [b, 1, 1, K_b]
+    rows: torch.Tensor  # [b] positions among the decode rows
+    kv_slots: torch.Tensor  # [b, K] slots of each row's own keys (padding points at a real, masked slot)
+    mask: torch.Tensor  # [b, 1, K] True where the key is the row's
+    index: torch.Tensor  # head_index(kv_slots)
+
+
+class SharedPrefix(NamedTuple):
+    rows: torch.Tensor  # [n] positions among the decode rows
+    slots: torch.Tensor  # [L] the slots every one of them starts with
+    index: torch.Tensor  # head_index(slots)
+
+
+class ExtendBucket(NamedTuple):
+    tokens: torch.Tensor  # [t] packed indices of the bucket's new tokens
+    query_dest: torch.Tensor  # [t] where each sits in the bucket's [b * Qmax] padded queries
+    kv_slots: torch.Tensor  # [b, K]
+    mask: torch.Tensor  # [b, 1, Qmax, K] True where attention is allowed
+    max_query: int
+    index: torch.Tensor  # head_index(kv_slots)
+
+
+class TorchAttnMeta(NamedTuple):
+    num_decode: int
+    decode: list[DecodeBucket]
+    shared: list[SharedPrefix]
+    extend: list[ExtendBucket]
 
 
 class TorchAttention(AttentionBackend):
     def prepare(self, fb: ForwardBatch) -> None:
-        if fb.mode is ForwardMode.DECODE:
-            fb.attn_meta = self._prepare_decode(fb)
-        else:
-            fb.attn_meta = self._prepare_extend(fb)
-
-    def _prepare_decode(self, fb: ForwardBatch) -> TorchAttnMeta:
-        table, rows = fb.req_to_token.table, fb.req_rows
-        shared = _common_prefix_len(table, rows, fb.seq_lens) if fb.batch_size > 1 else 0
-        if shared < CASCADE_MIN_PREFIX:
-            shared = 0
-        if not shared and fb.batch_size > 1:
-            seq_lens = fb.seq_lens.tolist()
-            groups = _length_buckets(seq_lens)
-            if len(groups) > 1:
-                return TorchAttnMeta(None, None, None, buckets=[_bucket(fb, g, max(seq_lens[i] for i in g))
-                                                                 for g in groups])
-        key_pos = torch.arange(shared, fb.max_seq_len, device=rows.device)
-        kv_slots = table[rows, shared : fb.max_seq_len]
-        mask = (key_pos[None, :] < fb.seq_lens[:, None])[:, None, None, :]
-        shared_slots = table[rows[0], :shared] if shared else None
-        return TorchAttnMeta(kv_slots, None, mask, shared_slots)
-
-    def _prepare_extend(self, fb: ForwardBatch) -> TorchAttnMeta:
-        kmax, qmax = fb.max_seq_len, fb.max_extend_len
-        device = fb.input_ids.device
-        kv_slots = fb.req_to_token.table[fb.req_rows, :kmax]
-        key_pos = torch.arange(kmax, device=device)
-        q_idx = torch.arange(qmax, device=device)
-        # token j of request b sits at absolute position prefix_b + j and sees keys 0..prefix_b + j
-        limit = fb.prefix_lens[:, None] + q_idx[None, :]  # [B, Qmax]
-        mask = key_pos[None, None, :] <= limit[:, :, None]
-        # padded query rows attend to key 0 only, so softmax never sees an all-masked row
-        valid_q = q_idx[None, :] < fb.extend_lens[:, None]
-        mask = mask & valid_q[:, :, None] | (~valid_q[:, :, None] & (key_pos == 0)[None, None, :])
-        starts = torch.arange(fb.batch_size, device=device) * qmax
-        query_dest = torch.repeat_interleave(starts, fb.extend_lens) + ragged_arange(fb.extend_lens)
-        return TorchAttnMeta(kv_slots, query_dest, mask[:, None])
+        table, d = fb.req_to_token.table, fb.num_decode
+        heads = fb.kv_pool.k_heads[0].shape[0], fb.kv_pool.num_slots
+        decode, shared = _prepare_decode(table, fb.req_rows[:d], fb.seq_lens[:d], heads) if d else ([], [])
+        extend = _prepare_extend(table, fb, d, heads) if d < fb.batch_size else []
+        fb.attn_meta = TorchAttnMeta(d, decode, shared, extend)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
                 fb: ForwardBatch) -> torch.Tensor:
         fb.kv_pool.store(layer, fb.out_slots, k, v)
         meta: TorchAttnMeta = fb.attn_meta
-        if meta.shared_slots is not None:
-            return self._cascade_decode(q, layer, scale, fb, meta)
-        if meta.buckets is not None:
-            return self._bucketed_decode(q, layer, scale, fb, meta.buckets)
-        bsz, heads, dim = fb.batch_size, q.shape[1], q.shape[2]
-        keys = gather(fb.kv_pool.k[layer], meta.kv_slots).transpose(1, 2)  # [B, kv_heads, K, d]
-        values = gather(fb.kv_pool.v[layer], meta.kv_slots).transpose(1, 2)
-        if meta.query_dest is None:  # decode: one query per request, no padding
-            queries = q.view(bsz, 1, heads, dim).transpose(1, 2)
-        else:
-            padded = q.new_zeros(bsz * fb.max_extend_len, heads, dim)
-            padded[meta.query_dest] = q
-            queries = padded.view(bsz, fb.max_extend_len, heads, dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=scale,
-                                             enable_gqa=heads != keys.shape[1])
-        out = out.transpose(1, 2).reshape(-1, heads, dim)  # [B * Qmax, heads, d]
-        return out if meta.query_dest is None else out[meta.query_dest]
-
-    @staticmethod
-    def _bucketed_decode(q: torch.Tensor, layer: int, scale: float, fb: ForwardBatch,
-                         buckets: list[DecodeBucket]) -> torch.Tensor:
+        k_pool, v_pool = fb.kv_pool.k_heads[layer], fb.kv_pool.v_heads[layer]
+        d = meta.num_decode
+        if not meta.extend:
+            return _decode(q, k_pool, v_pool, scale, meta)
         out = torch.empty_like(q)
+        if d:
+            out[:d] = _decode(q[:d], k_pool, v_pool, scale, meta)
         heads, dim = q.shape[1], q.shape[2]
-        k_pool, v_pool = fb.kv_pool.k[layer], fb.kv_pool.v[layer]
-        for b in buckets:
-            keys = gather(k_pool, b.kv_slots).transpose(1, 2)  # [b, kv_heads, K_b, d]
-            values = gather(v_pool, b.kv_slots).transpose(1, 2)
-            queries = q[b.rows].unsqueeze(2)  # [b, heads, 1, d]
+        for b in meta.extend:
+            rows = b.kv_slots.shape[0]
+            keys = gather_heads(k_pool, b.index, b.kv_slots.shape).transpose(0, 1)  # [b, kv_heads, K, d]
+            values = gather_heads(v_pool, b.index, b.kv_slots.shape).transpose(0, 1)
+            padded = q.new_zeros(rows * b.max_query, heads, dim)
+            padded[b.query_dest] = q[b.tokens]
+            queries = padded.view(rows, b.max_query, heads, dim).transpose(1, 2)
             o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=b.mask, scale=scale,
                                                enable_gqa=heads != keys.shape[1])
-            out[b.rows] = o.view(-1, heads, dim)
+            out[b.tokens] = o.transpose(1, 2).reshape(-1, heads, dim)[b.query_dest]
         return out
 
-    @staticmethod
-    def _cascade_decode(q: torch.Tensor, layer: int, scale: float, fb: ForwardBatch,
-                        meta: TorchAttnMeta) -> torch.Tensor:
-        bsz, heads, dim = q.shape
-        kv_heads = fb.kv_pool.k[layer].shape[1]
-        group = heads // kv_heads
-        qg = q.float().view(bsz, kv_heads, group, dim) * scale  # [B, kvh, g, d]
-        # shared prefix: all B*g queries of a kv head against the prefix's keys at once
-        ks = gather(fb.kv_pool.k[layer], meta.shared_slots).float().permute(1, 2, 0)  # [kvh, d, L]
-        vs = gather(fb.kv_pool.v[layer], meta.shared_slots).float().transpose(0, 1)  # [kvh, L, d]
-        q_shared = qg.permute(1, 0, 2, 3).reshape(kv_heads, bsz * group, dim)
-        shared = _partial_softmax(torch.bmm(q_shared, ks), vs)  # over [kvh, B*g, L]
-        # each request's own suffix
-        ku = gather(fb.kv_pool.k[layer], meta.kv_slots).float().permute(0, 2, 3, 1)  # [B, kvh, d, K]
-        vu = gather(fb.kv_pool.v[layer], meta.kv_slots).float().transpose(1, 2)  # [B, kvh, K, d]
-        scores = torch.matmul(qg, ku).masked_fill(~meta.mask, float("-inf"))  # [B, kvh, g, K]
-        own = _partial_softmax(scores, vu)
-        out_s, m_s, l_s = (t.view(kv_heads, bsz, group, -1).permute(1, 0, 2, 3) for t in shared)
-        out_u, m_u, l_u = own
-        m = torch.maximum(m_s, m_u)
-        w_s, w_u = torch.exp(m_s - m) * l_s, torch.exp(m_u - m) * l_u
-        out = (out_s * w_s + out_u * w_u) / (w_s + w_u)
-        return out.reshape(bsz, heads, dim).to(q.dtype)
+
+def _decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float,
+            meta: TorchAttnMeta) -> torch.Tensor:
+    """q [D, heads, d]: each decode row's one query over its whole context. The pools are
+    head-major [kv_heads, slots, d]; every product below is a bmm over (KV head, row) pairs
+    that reads the gathered keys as they lie."""
+    rows, heads, dim = q.shape
+    kv_heads = k_pool.shape[0]
+    group = heads // kv_heads
+    qg = q.float().view(rows, kv_heads, group, dim).transpose(0, 1) * scale  # [kv_heads, D, g, d]
+    out = qg.new_empty(kv_heads, rows, group, dim)
+    lse = qg.new_empty(kv_heads, rows, group, 1) if meta.shared else None
+    for b in meta.decode:  # each row's own keys (all of them, for rows in no shared group)
+        n, width = b.kv_slots.shape
+        keys = gather_heads(k_pool, b.index, b.kv_slots.shape).float().view(kv_heads * n, width, dim)
+        values = gather_heads(v_pool, b.index, b.kv_slots.shape).float().view(kv_heads * n, width, dim)
+        queries = qg[:, b.rows].reshape(kv_heads * n, group, dim)
+        scores = torch.bmm(queries, keys.transpose(1, 2)).view(kv_heads, n, group, width)
+        scores = scores.masked_fill_(~b.mask, float("-inf"))
+        o, m, l = _partial_softmax(scores.view(kv_heads * n, group, width), values)
+        out[:, b.rows] = o.view(kv_heads, n, group, dim)
+        if lse is not None:
+            lse[:, b.rows] = (m + l.log()).view(kv_heads, n, group, 1)
+    for s in meta.shared:  # a group's common prefix, once for all its queries
+        n = s.rows.shape[0]
+        keys = gather_heads(k_pool, s.index, s.slots.shape).float()  # [kv_heads, L, d]
+        values = gather_heads(v_pool, s.index, s.slots.shape).float()
+        queries = qg[:, s.rows].reshape(kv_heads, n * group, dim)
+        o, m, l = _partial_softmax(torch.bmm(queries, keys.transpose(1, 2)), values)  # over [kv_heads, n * g, L]
+        o, m, l = (t.view(kv_heads, n, group, -1) for t in (o, m, l))
+        own_lse = lse[:, s.rows]
+        top = torch.maximum(own_lse, m)
+        w_own, w_shared = torch.exp(own_lse - top), torch.exp(m - top) * l
+        out[:, s.rows] = (out[:, s.rows] * w_own + o * w_shared) / (w_own + w_shared)
+    return out.transpose(0, 1).reshape(rows, heads, dim).to(q.dtype)
 
 
 def _partial_softmax(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -170,13 +151,98 @@ def gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return torch.index_select(pool, 0, slots.reshape(-1)).view(*slots.shape, *pool.shape[1:])
 
 
-def _length_buckets(seq_lens: list[int]) -> list[list[int]]:
-    """Batch positions grouped so that padding each group to its longest context is cheapest:
-    minimize sum(size x longest) + BUCKET_COST_KEYS per group. Requests are sorted by length
-    and the edges are chosen (exactly, by dynamic programming) among the points where the
-    length crosses a power of BUCKET_GRID, so the work is small whatever the batch size."""
-    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
-    lens = [seq_lens[i] for i in order]
+def head_index(slots: torch.Tensor, kv_heads: int, num_slots: int) -> torch.Tensor:
+    """Flat row indices of `slots` in every KV head of a head-major pool viewed as [kv_heads * slots, d]."""
+    return (torch.arange(kv_heads, device=slots.device)[:, None] * num_slots + slots.reshape(1, -1)).reshape(-1)
+
+
+def gather_heads(pool: torch.Tensor, index: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Rows of a head-major pool [kv_heads, slots, d] at `index` (head_index of slots of `shape`):
+    [kv_heads, *shape, d]. One index_select over the flat view, several times faster on CPU than
+    selecting along the slot dimension."""
+    return torch.index_select(pool.view(-1, pool.shape[2]), 0, index).view(pool.shape[0], *shape, pool.shape[2])
+
+
+# ---- per-step plans ----------------------------------------------------------------------------
+
+def _prepare_decode(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
+                    heads: tuple[int, int]) -> tuple[list[DecodeBucket], list[SharedPrefix]]:
+    """`heads`: the pool's (KV heads, slots), for the gathers' flat indices."""
+    starts = torch.zeros_like(seq_lens)
+    shared = _shared_prefixes(table, rows, seq_lens, heads) if rows.shape[0] > 1 else []
+    for s in shared:
+        starts[s.rows] = s.slots.shape[0]
+    own = (seq_lens - starts).tolist()
+    buckets = []
+    for positions in _length_buckets(own):
+        index = torch.tensor(positions, device=rows.device)
+        longest = max(own[i] for i in positions)
+        key_pos = starts[index, None] + torch.arange(longest, device=rows.device)[None, :]
+        visible = key_pos < seq_lens[index, None]
+        slots = table[rows[index, None], key_pos.clamp(max=table.shape[1] - 1)]
+        slots = torch.where(visible, slots, slots[:, :1])  # padding reads the row's first own key, masked
+        buckets.append(DecodeBucket(index, slots, visible[:, None, :], head_index(slots, *heads)))
+    return buckets, shared
+
+
+def _shared_prefixes(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
+                     heads: tuple[int, int]) -> list[SharedPrefix]:
+    """Groups of decode rows that start with the same slot, and the prefix each group shares
+    (capped so that every row keeps at least its last key as its own)."""
+    first = table[rows, 0]
+    _, group_of, counts = torch.unique(first, return_inverse=True, return_counts=True)
+    out = []
+    for g in torch.nonzero(counts > 1).flatten().tolist():
+        members = torch.nonzero(group_of == g).flatten()
+        length = _common_prefix_len(table, rows[members], seq_lens[members])
+        if length >= CASCADE_MIN_PREFIX:
+            slots = table[rows[members[0]], :length]
+            out.append(SharedPrefix(members, slots, head_index(slots, *heads)))
+    return out
+
+
+def _common_prefix_len(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor) -> int:
+    """How many leading KV slots all `rows` share, leaving each at least one key of its own."""
+    limit = int(seq_lens.min()) - 1
+    if limit <= 0:
+        return 0
+    slots = table[rows, :limit]
+    differs = (slots != slots[:1]).any(dim=0)
+    return int(differs.to(torch.int8).argmax()) if bool(differs.any()) else limit
+
+
+def _prepare_extend(table: torch.Tensor, fb: ForwardBatch, first: int, heads: tuple[int, int]) -> list[ExtendBucket]:
+    """Length buckets over the extend rows (batch positions first..B-1)."""
+    device = fb.seq_lens.device
+    seq_lens = fb.seq_lens[first:].tolist()
+    ext = fb.extend_lens[first:]
+    token_starts = (torch.cumsum(fb.extend_lens, 0) - fb.extend_lens)[first:]
+    buckets = []
+    for positions in _length_buckets(seq_lens):
+        index = torch.tensor(positions, device=device)
+        lens, prefix = ext[index], fb.prefix_lens[first:][index]
+        kmax, qmax = max(seq_lens[i] for i in positions), int(lens.max())
+        key_pos = torch.arange(kmax, device=device)
+        q_idx = torch.arange(qmax, device=device)
+        # token j of a row sits at absolute position prefix + j and sees keys 0..prefix + j
+        mask = key_pos[None, None, :] <= (prefix[:, None] + q_idx[None, :])[:, :, None]
+        # padded query rows attend to key 0 only, so softmax never sees an all-masked row
+        valid_q = (q_idx[None, :] < lens[:, None])[:, :, None]
+        mask = mask & valid_q | (~valid_q & (key_pos == 0)[None, None, :])
+        dest = torch.repeat_interleave(torch.arange(len(positions), device=device) * qmax, lens) + ragged_arange(lens)
+        tokens = torch.repeat_interleave(token_starts[index], lens) + ragged_arange(lens)
+        slots = table[fb.req_rows[first:][index], :kmax]
+        buckets.append(ExtendBucket(tokens, dest, slots, mask[:, None], qmax, head_index(slots, *heads)))
+    return buckets
+
+
+def _length_buckets(lengths: list[int]) -> list[list[int]]:
+    """Positions grouped so that padding each group to its longest is cheapest: minimize
+    sum(size x longest) + BUCKET_COST_KEYS per group. Rows are sorted by length and the edges
+    chosen (exactly, by dynamic programming) among the points where the length crosses a
+    power of BUCKET_GRID, so the work is small whatever the batch size."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    lens = [max(lengths[i], 1) for i in order]
     edges = [0] + [i for i in range(1, len(lens))
                    if math.floor(math.log(lens[i], BUCKET_GRID)) != math.floor(math.log(lens[i - 1], BUCKET_GRID))]
     edges.append(len(lens))
@@ -192,23 +258,3 @@ def _length_buckets(seq_lens: list[int]) -> list[list[int]]:
         groups.append(order[edges[cut[j]]:edges[j]])
         j = cut[j]
     return groups[::-1]
-
-
-def _bucket(fb: ForwardBatch, positions: list[int], longest: int) -> DecodeBucket:
-    rows = torch.tensor(positions, device=fb.seq_lens.device)
-    seq_lens = fb.seq_lens[rows]
-    kv_slots = fb.req_to_token.table[fb.req_rows[rows], :longest]
-    mask = (torch.arange(longest, device=rows.device)[None, :] < seq_lens[:, None])[:, None, None, :]
-    return DecodeBucket(rows, kv_slots, mask)
-
-
-def _common_prefix_len(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor) -> int:
-    """How many leading KV slots every request of the batch shares, leaving each at least
-    one key of its own (the token it is decoding) so no suffix is empty."""
-    limit = int(seq_lens.min()) - 1
-    if limit <= 0:
-        return 0
-    slots = table[rows, :limit]
-    differs = (slots != slots[:1]).any(dim=0)
-    first = int(differs.to(torch.int8).argmax()) if bool(differs.any()) else limit
-    return first

@@ -41,5 +41,14 @@ class TritonAttention(AttentionBackend):
         if fb.mode is ForwardMode.DECODE:
             return self._decode(q, k_cache, v_cache, table, fb.req_rows, fb.seq_lens, scale,
                                 num_splits=DECODE_SPLITS)
-        return self._extend(q, k, v, k_cache, v_cache, table, fb.req_rows, fb.prefix_lens, fb.extend_lens, scale,
-                            max_extend_len=fb.max_extend_len)
+        d = fb.num_decode
+        if not d:
+            return self._extend(q, k, v, k_cache, v_cache, table, fb.req_rows, fb.prefix_lens, fb.extend_lens, scale,
+                                max_extend_len=fb.max_extend_len)
+        # a mixed batch: its one-token rows (packed first) on the split-KV decode kernel
+        out = torch.empty_like(q)
+        self._decode(q[:d], k_cache, v_cache, table, fb.req_rows[:d], fb.seq_lens[:d], scale,
+                     num_splits=DECODE_SPLITS, out=out[:d])
+        self._extend(q[d:], k[d:], v[d:], k_cache, v_cache, table, fb.req_rows[d:], fb.prefix_lens[d:],
+                     fb.extend_lens[d:], scale, max_extend_len=fb.max_extend_len, out=out[d:])
+        return out

@@ -1,0 +1,173 @@
+"""Batch building: one step's requests, in the worker's packed order, turned into tensors.
+
+A step holds the running requests (each decodes its one token, or, after a jump-forward,
+computes the KV of its forced tokens) and the prefill rows (the request being chunked, then
+admissions). The worker sees one packed batch: every row with a single new token first
+(`num_decode` of them: the attention backend runs those on its decode path), then the rows
+with more. These are plain functions of the batch, the KV manager and the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.constrained.grammar import grammar_bitmask
+from runtime.scheduler.kv_manager import KVManager
+from runtime.scheduler.req import Req
+from runtime.utils import ragged_arange
+from runtime.worker.forward_batch import ForwardMode
+from runtime.worker.model_worker import WorkerBatch
+from runtime.worker.sampler import PenaltyCounts, SamplingBatch
+
+
+@dataclass
+class ScheduledBatch:
+    reqs: list[Req]  # packed order: the num_decode one-token rows, then the rest
+    extend_lens: list[int]
+    num_decode: int
+    prefilling: set[int]  # id() of the rows that were not running: the chunked request and admissions
+    sampled: list[Req]  # requests that get a new token from this step, in sample-row order
+    logprob_spans: list[tuple[Req, int, int]]  # (req, first prompt position, count) of prompt logprobs computed
+    slotted: int = 0  # how many of `reqs` (in order) have been given KV slots for this step
+    sampling: SamplingBatch | None = field(default=None, repr=False)
+
+    @property
+    def mode(self) -> ForwardMode:
+        return ForwardMode.DECODE if self.num_decode == len(self.reqs) else ForwardMode.EXTEND
+
+    def is_prefill(self, req: Req) -> bool:
+        return id(req) in self.prefilling
+
+
+def make_batch(running: list[Req], prefill: list[Req], prefill_lens: list[int]) -> ScheduledBatch:
+    """The step's batch: every running request with all its uncomputed tokens (one, or a jump's
+    forced text), and the prefill rows with the chunk each was given."""
+    rows = [(r, r.extend_len) for r in running] + list(zip(prefill, prefill_lens))
+    packed = [row for row in rows if row[1] == 1] + [row for row in rows if row[1] != 1]
+    reqs = [r for r, _ in packed]
+    lens = [n for _, n in packed]
+    sampled, spans = [], []
+    for req, n in packed:
+        if req.cached_len + n == req.seq_len and req.params.max_new_tokens > 0:
+            sampled.append(req)
+        span = _logprob_span(req, n)
+        if span is not None:
+            spans.append(span)
+    num_decode = sum(1 for n in lens if n == 1)
+    return ScheduledBatch(reqs, lens, num_decode, {id(r) for r in prefill}, sampled, spans)
+
+
+def _logprob_span(req: Req, n: int) -> tuple[Req, int, int] | None:
+    """Hidden positions of this chunk whose next-token logprob belongs to the prompt logprobs."""
+    if not req.wants_input_logprobs or req.input_logprobs_done:
+        return None
+    first = max(req.cached_len, req.logprob_start_len - 1, 0)
+    last = min(req.cached_len + n, req.prompt_len - 1)
+    return (req, first, last - first) if last > first else None
+
+
+class PenaltyTracker:
+    """Token counts of the requests that use penalties, kept on the device across steps by request
+    row (`PenaltyCounts`): a row is counted in full when a request takes it (admission, a retracted
+    request's return, outputs rewritten by jump-forward), then grows by each step's new tokens, so
+    a step's cost does not grow with the context."""
+
+    def __init__(self, rows: int, vocab_size: int, device: torch.device) -> None:
+        self.rows, self.vocab_size, self.device = rows, vocab_size, device
+        self._counts: PenaltyCounts | None = None  # made on first use: 5 bytes x vocabulary per row
+        self._owner: dict[int, Req] = {}  # row -> the request its counts are of
+
+    def counts_for(self, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        users = [r for r in reqs if r.params.uses_penalties]
+        if not users:
+            return None
+        if self._counts is None:
+            self._counts = PenaltyCounts(self.rows, self.vocab_size, self.device)
+        rows, tokens = [], []
+        for r in users:
+            out = r.output_ids
+            if self._owner.get(r.row) is not r or not 0 <= r.penalty_counted <= len(out):
+                self._counts.reset(r.row, r.prompt_ids, out)
+                self._owner[r.row] = r
+            else:
+                rows.extend([r.row] * (len(out) - r.penalty_counted))
+                tokens.extend(out[r.penalty_counted:])
+            r.penalty_counted = len(out)
+        if rows:
+            self._counts.add(torch.tensor(rows, device=self.device), torch.tensor(tokens, device=self.device))
+        return self._counts.gather(torch.tensor([r.row for r in reqs], device=self.device))
+
+
+def sampling_batch(reqs: list[Req], eos_ids: list[int], vocab_size: int, device: torch.device,
+                   penalties: PenaltyTracker | None = None) -> SamplingBatch | None:
+    """The sampled rows' settings as tensors, with their constraints' allowed-token bitmask."""
+    if not reqs:
+        return None
+    counts = penalties.counts_for(reqs) if penalties is not None else None
+    batch = SamplingBatch.build([r.params for r in reqs], [r.prompt_ids for r in reqs], [r.output_ids for r in reqs],
+                                eos_ids, vocab_size, device, counts)
+    batch.grammar_mask = grammar_bitmask([(r.guide, r.grammar) if r.guide is not None else None for r in reqs],
+                                         vocab_size, eos_ids[0] if eos_ids else -1)
+    return batch
+
+
+def to_worker_batch(b: ScheduledBatch, kv: KVManager, device: torch.device) -> WorkerBatch:
+    """The tensors of one step. Takes the step's KV slots (pages when needed), counting in
+    `b.slotted` how many rows got theirs, so that a fault midway can hand them back."""
+    rows = torch.tensor([r.row for r in b.reqs], dtype=torch.int64, device=device)
+    prefix = torch.tensor([r.cached_len for r in b.reqs], dtype=torch.int64, device=device)
+    ext = torch.tensor(b.extend_lens, dtype=torch.int64, device=device)
+    d = b.num_decode
+    ids = [r.token_at(r.cached_len) for r in b.reqs[:d]]
+    slot_parts = []
+    if d:  # one new token each, at position prefix: a new page where it starts one
+        need_page = prefix[:d] % kv.page_size == 0
+        slot_parts.append(kv.decode_slots(rows[:d], prefix[:d], need_page, int(need_page.sum())))
+        b.slotted = d
+    for req, n in zip(b.reqs[d:], b.extend_lens[d:]):
+        ids.extend(req.tokens(req.cached_len, req.cached_len + n))
+        slot_parts.append(kv.extend_slots(req, n))
+        b.slotted += 1
+    if d == len(b.reqs):
+        positions = prefix
+        sample_rows = torch.arange(d, device=device) if len(b.sampled) == d else _last_rows(b, ext, device)
+    else:
+        positions = torch.repeat_interleave(prefix, ext) + ragged_arange(ext)
+        sample_rows = _last_rows(b, ext, device)
+    wb = WorkerBatch(
+        mode=b.mode, input_ids=torch.tensor(ids, dtype=torch.int64, device=device), positions=positions,
+        out_slots=torch.cat(slot_parts) if len(slot_parts) > 1 else slot_parts[0], req_rows=rows,
+        prefix_lens=prefix, extend_lens=ext, seq_lens=prefix + ext, max_extend_len=max(b.extend_lens),
+        max_seq_len=max(r.cached_len + n for r, n in zip(b.reqs, b.extend_lens)), num_decode=d,
+        sample_rows=sample_rows, sampling=b.sampling,
+        return_logprob=any(r.return_logprob for r in b.sampled) or bool(b.logprob_spans),
+        top_logprobs_num=max([r.top_logprobs_num for r in b.reqs if r.return_logprob] or [0]),
+    )
+    if b.logprob_spans:
+        wb.prompt_rows, wb.prompt_targets = _prompt_logprob_inputs(b, device)
+    return wb
+
+
+def _last_rows(b: ScheduledBatch, ext: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Packed index of each sampled request's last new token (sampled keeps the packed order)."""
+    ends = torch.cumsum(ext, 0).tolist()
+    sampled = {id(r) for r in b.sampled}
+    return torch.tensor([e - 1 for r, e in zip(b.reqs, ends) if id(r) in sampled], dtype=torch.int64, device=device)
+
+
+def _prompt_logprob_inputs(b: ScheduledBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed-token rows whose hidden state scores the next prompt token, and those tokens."""
+    offset_of, offset = {}, 0
+    for req, n in zip(b.reqs, b.extend_lens):
+        offset_of[id(req)] = offset - req.cached_len  # packed index of the request's position 0
+        offset += n
+    rows: list[int] = []
+    targets: list[int] = []
+    for req, first, count in b.logprob_spans:
+        base = offset_of[id(req)]
+        rows.extend(range(base + first, base + first + count))
+        targets.extend(req.prompt_ids[first + 1 : first + 1 + count])
+    return (torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(targets, dtype=torch.int64, device=device))

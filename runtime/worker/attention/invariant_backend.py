@@ -1,0 +1,78 @@
+"""Batch-invariant attention (`--deterministic`): a token's attention output is bitwise the same
+whatever else is in its step, however its prompt was chunked, and whether its prefix came from
+the cache or was computed now.
+
+Every new token, prefill or decode alike, is one query over its own keys 0..position, read from
+the pool in blocks of KEY_BLOCK keys. The arithmetic has one shape whatever the batch: each
+(query, KV head, block) is a [group, d] x [d, KEY_BLOCK] product; the softmax's max is exact;
+the block sums are accumulated in block order by `cumsum`, so the all-masked blocks that pad a
+short context to its slice's longest add exact zeros. Costlier than the default backend (keys
+are gathered per query, not per request; no shared-prefix pass); `benchmarks/step_cost.py`
+prints what it costs.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from runtime.utils import ragged_arange
+from runtime.worker.attention.base import AttentionBackend
+from runtime.worker.attention.torch_backend import gather
+from runtime.worker.forward_batch import ForwardBatch
+
+KEY_BLOCK = 64
+# queries attended at once: bounds the memory of the gathered keys; the result does not depend on it
+QUERY_SLICE = 32
+
+
+class InvariantMeta(NamedTuple):
+    slots: torch.Tensor  # [T, blocks * KEY_BLOCK] each token's key slots (padding: its first key, masked)
+    visible: torch.Tensor  # [T, blocks * KEY_BLOCK] True for keys 0..the token's position
+    blocks: list[int]  # per query slice, the blocks its longest context needs
+
+
+class InvariantAttention(AttentionBackend):
+    def prepare(self, fb: ForwardBatch) -> None:
+        table = fb.req_to_token.table
+        owner = torch.repeat_interleave(fb.req_rows, fb.extend_lens)
+        positions = torch.repeat_interleave(fb.prefix_lens, fb.extend_lens) + ragged_arange(fb.extend_lens)
+        width = -(-fb.max_seq_len // KEY_BLOCK) * KEY_BLOCK
+        key_pos = torch.arange(width, device=positions.device)
+        visible = key_pos[None, :] <= positions[:, None]
+        slots = table[owner[:, None], key_pos.clamp(max=table.shape[1] - 1)[None, :]]
+        slots = torch.where(visible, slots, slots[:, :1])
+        longest = positions.tolist()
+        blocks = [max(longest[i : i + QUERY_SLICE]) // KEY_BLOCK + 1 for i in range(0, len(longest), QUERY_SLICE)]
+        fb.attn_meta = InvariantMeta(slots, visible, blocks)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+                fb: ForwardBatch) -> torch.Tensor:
+        fb.kv_pool.store(layer, fb.out_slots, k, v)
+        meta: InvariantMeta = fb.attn_meta
+        k_pool, v_pool = fb.kv_pool.k[layer], fb.kv_pool.v[layer]
+        tokens, heads, dim = q.shape
+        kv_heads = k_pool.shape[1]
+        group = heads // kv_heads
+        qg = q.float().view(tokens, kv_heads, 1, group, dim) * scale
+        out = torch.empty(tokens, kv_heads, group, dim, dtype=torch.float32, device=q.device)
+        for i, blocks in enumerate(meta.blocks):
+            part = slice(i * QUERY_SLICE, (i + 1) * QUERY_SLICE)
+            n, width = qg[part].shape[0], blocks * KEY_BLOCK
+            slots, visible = meta.slots[part, :width], meta.visible[part, :width]
+            # one contiguous bmm of [group, d] x [d, KEY_BLOCK] per (query, KV head, block): strided or
+            # broadcast operands let torch pick other kernels, whose sums differ in the last bit
+            keys = gather(k_pool, slots).float().view(n, blocks, KEY_BLOCK, kv_heads, dim).permute(0, 3, 1, 4, 2)
+            values = gather(v_pool, slots).float().view(n, blocks, KEY_BLOCK, kv_heads, dim).permute(0, 3, 1, 2, 4)
+            queries = qg[part].expand(n, kv_heads, blocks, group, dim).contiguous().view(-1, group, dim)
+            scores = torch.bmm(queries, keys.contiguous().view(-1, dim, KEY_BLOCK)).view(n, kv_heads, blocks, group, KEY_BLOCK)
+            scores = scores.masked_fill_(~visible.view(n, 1, blocks, 1, KEY_BLOCK), float("-inf"))
+            top = scores.amax(dim=(2, 4), keepdim=True)  # exact: the same whatever the padding
+            p = torch.exp(scores - top)
+            norm = p.sum(-1).cumsum(2)[:, :, -1]  # [n, kv_heads, group], block by block in order
+            acc = torch.bmm(p.view(-1, group, KEY_BLOCK), values.contiguous().view(-1, KEY_BLOCK, dim))
+            acc = acc.view(n, kv_heads, blocks, group, dim).cumsum(2)[:, :, -1]  # [n, kv_heads, group, d]
+            out[part] = acc / norm[..., None]
+        return out.view(tokens, heads, dim).to(q.dtype)
+

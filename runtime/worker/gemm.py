@@ -1,0 +1,115 @@
+"""The matmuls over a step's tokens: which CPU kernel runs them, and the batch-invariant mode.
+
+Two fp32 kernels are available in every torch build for CPUs: `F.linear` (MKL's sgemm where
+torch was built with it) and oneDNN's inner product (`mkldnn._linear_pointwise`). Which is
+faster depends on the CPU: on an AMD EPYC with AVX-512, oneDNN ran SmolLM2's weight pass 2.2x
+faster at 1-288 rows (benchmarks/linear_batch.py), as MKL does not take its fastest paths
+there. So the worker times both on the model's own weights when it starts (`pick_kernel`) and
+runs the faster; `--linear-kernel` forces one. They sum in different orders, so results differ
+in the last bits (the HF oracle's tolerance covers it).
+
+Under `--deterministic`, every call runs in tiles of exactly INVARIANT_ROWS rows (the last one
+zero-padded): one GEMM of one shape per tile, so the kernel, and so its summation order, never
+changes with how many tokens share the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+KERNELS = ("torch", "onednn")
+INVARIANT_ROWS = 16
+
+
+class LinearMode(NamedTuple):
+    kernel: str = "torch"
+    invariant: bool = False
+
+
+_mode: ContextVar[LinearMode] = ContextVar("linear_mode", default=LinearMode())
+
+
+@contextmanager
+def linear_mode(mode: LinearMode) -> Iterator[None]:
+    """Within this block `linear` runs as `mode` says (the worker's forward sets it per step)."""
+    token = _mode.set(mode)
+    try:
+        yield
+    finally:
+        _mode.reset(token)
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+_RUN = {"torch": F.linear, "onednn": _onednn}
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b for x [rows, in], with the current mode's kernel."""
+    mode = _mode.get()
+    run = _RUN[mode.kernel]
+    if not mode.invariant:
+        return run(x, weight, bias)
+    rows = x.shape[0]
+    tiles = -(-rows // INVARIANT_ROWS)
+    padded = x.new_zeros(tiles * INVARIANT_ROWS, x.shape[1])
+    padded[:rows] = x
+    out = x.new_empty(tiles * INVARIANT_ROWS, weight.shape[0])
+    for t in range(tiles):
+        part = slice(t * INVARIANT_ROWS, (t + 1) * INVARIANT_ROWS)
+        out[part] = run(padded[part], weight, bias)
+    return out[:rows]
+
+
+def available(device: torch.device) -> list[str]:
+    if device.type == "cpu" and torch.backends.mkldnn.is_available():
+        return list(KERNELS)
+    return ["torch"]
+
+
+_picked: dict[tuple, str] = {}  # one timing per process for each set of shapes
+
+
+def pick_kernel(weights: list[torch.Tensor], device: torch.device, rows: tuple[int, ...] = (1, 16, 64)) -> str:
+    """The kernel that runs `weights` (a sample of the model's matrices) fastest, timed here, at a
+    few batch sizes (the best of 3 passes each, summed over the sizes)."""
+    kernels = available(device)
+    if len(kernels) == 1:
+        return kernels[0]
+    key = (str(device), tuple((tuple(w.shape), w.dtype) for w in weights))
+    if key not in _picked:
+        _picked[key] = _time_kernels(kernels, weights, device, rows)
+    return _picked[key]
+
+
+def _time_kernels(kernels: list[str], weights: list[torch.Tensor], device: torch.device, rows: tuple[int, ...]) -> str:
+    times = {}
+    for name in kernels:
+        run, total = _RUN[name], 0.0
+        for n in rows:
+            xs = {w.shape[1]: torch.randn(n, w.shape[1], dtype=w.dtype, device=device) for w in weights}
+            for w in weights:
+                run(xs[w.shape[1]], w, None)  # warm: first calls build kernels
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                for w in weights:
+                    run(xs[w.shape[1]], w, None)
+                best = min(best, time.perf_counter() - start)
+            total += best
+        times[name] = total
+    choice = min(times, key=times.get)
+    log.info("linear kernel: %s (timed on the model's weights: %s)", choice,
+             ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()))
+    return choice

@@ -1,0 +1,56 @@
+"""run_all's online section alone, quick sizes: `radixlm serve` (and llama-server, when a binary is
+built) through bench serve's client, every workload a row with every request done; and the
+shared-prefix groups it draws its system prompts from."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from runtime import bench_serve
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKLOADS = ("one-stream", "no-sharing", "shared-prompts")
+
+
+def test_shared_prefix_groups_interleave():
+    requests = bench_serve.make_requests("shared-prefix", 8, 5, 3, 0.0, 20, seed=4, num_groups=4)
+    prefixes = [tuple(r.prompt[:20]) for r in requests]
+    assert len(set(prefixes)) == 4 and all(prefixes[i] == prefixes[i % 4] for i in range(8))
+    assert all(len(r.prompt) == 25 and r.output_len == 3 for r in requests)
+    assert len({tuple(r.prompt[20:]) for r in requests}) == 8  # each request its own question
+    one = bench_serve.make_requests("shared-prefix", 8, 5, 3, 0.0, 20, seed=4)
+    assert len({tuple(r.prompt[:20]) for r in one}) == 1
+
+
+def test_run_all_online_quick(tmp_path):
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "run_all.py"), "--quick", "--only",
+                           "online", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["results"] == [] and not list(tmp_path.glob("*.png"))  # the offline section did not run
+    llama = saved["meta"]["llama_cpp_version"] is not None  # a binary was found, so its rows must be there
+    by = {(r["workload"], r["system"]): r for r in saved["online"]}
+    assert set(by) == {(w, s) for w in WORKLOADS for s in ("radixlm", *(["llama.cpp"] if llama else []))}, set(by)
+    for (w, s), r in by.items():
+        summary = r["summary"]
+        assert r["note"] == "" and summary["failed"] == 0, (w, s, r["note"])
+        assert summary["output_tokens"] == r["expected_tokens"] > 0, (w, s)  # ignore_eos: every token made
+        assert summary["output_tok_s"] > 0 and summary["request_throughput"] > 0, (w, s)
+        for key in ("ttft_ms", "tpot_ms"):
+            assert 0 < summary[key]["p50"] <= summary[key]["p99"], (w, s, key, summary[key])
+    assert by[("shared-prompts", "radixlm")]["summary"]["cache_hit_rate"] > 0.3  # the groups' prompts are reused
+
+    text = (tmp_path / "summary.md").read_text()
+    assert "## Online" in text and "CPU: " in text and "- radixlm: `" in text
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith(tuple(f"| {w} |" for w in WORKLOADS))]
+    assert sorted((row[0][2:], row[2]) for row in rows) == sorted(by), rows  # one table row per result
+    assert "- online no sharing, 32 streams, output tok/s vs llama.cpp: " in text
+    if llama:
+        assert "- llama.cpp: `" in text and "--no-repack" not in text  # its defaults, as released
+        assert "online no sharing, 32 streams, output tok/s vs llama.cpp: not measured" not in text
+    else:
+        assert "no llama-server binary" in text
