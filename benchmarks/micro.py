@@ -1,5 +1,5 @@
-"""Micro-benchmarks: the radix cache's operations, the scheduler's own cost per step, and this
-machine's roofline against SmolLM2's decode step.
+"""Micro-benchmarks: the radix cache's operations, the scheduler's own cost per step, this
+machine's roofline against SmolLM2's decode step, and the sampler's cost per step.
 
     python benchmarks/micro.py            # --quick: small sizes (CI)
 
@@ -8,7 +8,8 @@ machine's roofline against SmolLM2's decode step.
    the radix cache's share of it with no sharing (run_all's no-sharing requests in a closed
    loop of 32, cache on against off);
 3. roofline: measured memory bandwidth and fp32 matmul rate; SmolLM2's decode step at batch
-   1 / 8 / 32 against the floor max(weight bytes / bandwidth, FLOPs / matmul rate).
+   1 / 8 / 32 against the floor max(weight bytes / bandwidth, FLOPs / matmul rate);
+4. sampler: building a step's sampling tensors and sampling [32, 49152] logits, per setting.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.machine import measure  # noqa: E402
 from runtime.args import ServerArgs  # noqa: E402
 from runtime.cache.allocator import PageAllocator  # noqa: E402
 from runtime.cache.kv_pool import ReqToTokenTable  # noqa: E402
@@ -31,6 +33,7 @@ from runtime.messages import TokenizedRequest  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
 from runtime.scheduler.scheduler import Scheduler  # noqa: E402
 from runtime.worker.model_worker import WorkerOutput  # noqa: E402
+from runtime.worker.sampler import Sampler, SamplingBatch  # noqa: E402
 
 
 def timed(fn, *args) -> float:
@@ -124,17 +127,11 @@ def churn_row(requests: int) -> str:
 # ---- 3. roofline ----------------------------------------------------------------------------------
 
 def roofline_rows(quick: bool) -> tuple[list[str], list[str]]:
-    n = 1 << (24 if quick else 27)  # bytes copied
-    src = torch.empty(n, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    bandwidth = 2 * n / min(timed(dst.copy_, src) for _ in range(5))
-    size = 512 if quick else 2048
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    flops = 2 * size ** 3 / min(timed(torch.mm, a, b) for _ in range(3))
-    machine = [f"| memory bandwidth (copy) | {bandwidth / 1e9:.1f} GB/s |",
-               f"| fp32 matmul ({size}²) | {flops / 1e9:.0f} GFLOP/s |"]
+    m = measure(quick)
+    bandwidth, flops = m.bandwidth, m.matmul
+    machine = [f"| CPU | {m.cpu}, {' '.join(m.features)} |",
+               f"| memory bandwidth (copy) | {bandwidth / 1e9:.1f} GB/s |",
+               f"| fp32 matmul ({512 if quick else 2048}², the faster kernel) | {flops / 1e9:.0f} GFLOP/s |"]
     from runtime.local_engine import LocalEngine
 
     engine = LocalEngine(max_total_tokens=8192, disable_radix_cache=True)  # every run prefills alike
@@ -158,6 +155,41 @@ def roofline_rows(quick: bool) -> tuple[list[str], list[str]]:
     return machine, rows
 
 
+# ---- 4. sampler ----------------------------------------------------------------------------------
+
+SAMPLER_CASES = {  # name -> (the row's params, tokens of context per row)
+    "greedy": (lambda i: SamplingParams(temperature=0.0), 16),
+    "temperature 0.8, top_k 50": (lambda i: SamplingParams(temperature=0.8, top_k=50), 16),
+    "top_k 50 + top_p 0.9": (lambda i: SamplingParams(temperature=0.8, top_k=50, top_p=0.9), 16),
+    "top_p 0.9 alone": (lambda i: SamplingParams(temperature=0.8, top_p=0.9), 16),
+    "8 of the 32 seeded": (lambda i: SamplingParams(temperature=0.8, seed=i if i < 8 else None), 16),
+    "repetition 1.1 + frequency 0.1": (
+        lambda i: SamplingParams(temperature=0.8, repetition_penalty=1.1, frequency_penalty=0.1), 1000),
+}
+
+
+def sampler_rows(calls: int, rng: random.Random) -> list[str]:
+    """Batch 32 at SmolLM2's vocabulary: a step's SamplingBatch.build and Sampler call, the best of
+    `calls` (the machine's other load only ever adds)."""
+    batch_size, vocab = 32, 49152
+    logits = torch.randn(batch_size, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    sampler, rows = Sampler(), []
+    for name, (make, context) in SAMPLER_CASES.items():
+        params = [make(i) for i in range(batch_size)]
+        prompts = [[rng.randrange(vocab) for _ in range(context // 2)] for _ in range(batch_size)]
+        outputs = [[rng.randrange(vocab) for _ in range(context // 2)] for _ in range(batch_size)]
+
+        def build() -> SamplingBatch:
+            return SamplingBatch.build(params, prompts, outputs, [2], vocab, "cpu")
+
+        batch = build()
+        sampler(logits, batch)  # warm up
+        t_build = min(timed(build) for _ in range(calls))
+        t_sample = min(timed(sampler, logits, batch) for _ in range(calls))
+        rows.append(f"| {name} | {context} | {t_build * 1e3:.2f} | {t_sample * 1e3:.2f} |")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (CI: proves the script works)")
@@ -179,6 +211,9 @@ def main() -> None:
     print("\n## This machine\n\n| measure | value |\n|---|---|", *machine, sep="\n")
     print("\n## SmolLM2-135M fp32 step time against the roofline floor\n")
     print("| batch | ms/step | floor ms | ratio |\n|---|---|---|---|", *rows, sep="\n")
+    print("\n## Sampler per step (batch 32, vocabulary 49152)\n")
+    print("| setting | context tokens | build ms | sample ms |\n|---|---|---|---|",
+          *sampler_rows(3 if args.quick else 20, rng), sep="\n")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
     python benchmarks/run_all.py --quick    # tiny sizes, proves the scripts work (CI)
     python benchmarks/run_all.py --only mmlu,chat --systems radixlm,hf-static
     python benchmarks/run_all.py --replot     # redraw the PNGs from results/summary.json
+    python benchmarks/run_all.py --only online  # only the online section (with --quick: a few requests)
 
 Systems:
 - radixlm: each program workload as a `frontend_lang` program (`run_batch` on the
@@ -32,21 +33,34 @@ the same normalized logprob; llama.cpp, which has no prompt logprobs, a
 1-token completion of each prompt + choice: the same prefill work, no pick).
 Constraints (regex, JSON schema) are not replayed: the baselines generate the
 same number of unconstrained tokens.
+
+Online section (`online`): `radixlm bench serve`'s client (runtime/bench_serve.py)
+at fixed concurrency against `radixlm serve` and then `llama-server` (the
+llama.cpp system, started with a current release's defaults: no
+`--no-repack`), each alone on the machine, on the same GGUF: OpenAI
+`/v1/completions`, token-id prompts, streamed, greedy, `ignore_eos`, so both
+make every token. Three workloads: one stream; 32 streams with no sharing; 16
+streams over 4 interleaved groups that each share a ~1,000-token system prompt.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -54,11 +68,16 @@ import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
 import frontend_lang as fl  # noqa: E402
 from frontend_lang.backends.base import Call  # noqa: E402
+from machine import FEATURES, cpu_info  # noqa: E402
 from offline_throughput import hf_generate, load_hf  # noqa: E402
+from runtime import bench_serve  # noqa: E402
+from runtime.launch import free_port  # noqa: E402
+from runtime.server.launch_server import wait_until_serving  # noqa: E402
 from runtime.worker.loader import default_model_path  # noqa: E402
 from workloads import Workload, all_workloads  # noqa: E402
 
@@ -72,6 +91,8 @@ RADIXLM_SYSTEMS = {
 }
 OPTIONAL = {"radixlm no-jump-forward"}  # runs only the workloads that name it
 ALL_SYSTEMS = [*RADIXLM_SYSTEMS, "hf-static", "llama.cpp"]
+ONLINE = "online"  # the --only name of the online section
+ONLINE_SYSTEMS = ["radixlm", "llama.cpp"]
 
 
 # ---- what a run records ---------------------------------------------------------------------------
@@ -326,31 +347,57 @@ def llama_server_binary() -> str | None:
     return path if os.path.exists(path) else shutil.which("llama-server")
 
 
+def llama_server_command(binary: str, gguf: str, port: int, slots: int, slot_context: int, *extra: str) -> list[str]:
+    """`slots` parallel sequences of `slot_context` tokens each (llama-server splits -c among -np)."""
+    return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(os.cpu_count() or 1),
+            "-np", str(slots), "-c", str(slots * slot_context), *extra]
+
+
+def llama_cpp_version(binary: str) -> str:
+    """What `llama-server --version` prints, and the install script's VERSION file beside it."""
+    done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
+    lines = [line.strip() for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    version_file = os.path.join(os.path.dirname(binary), "VERSION")
+    if os.path.exists(version_file):
+        with open(version_file) as f:
+            lines.append(f"VERSION: {f.read().strip()}")
+    return "; ".join(lines)
+
+
+@contextmanager
+def serving(name: str, command: list[str], port: int) -> Iterator[str]:
+    """Run a server process until the block ends; yields its URL once /health answers. Its output
+    goes to a log file, whose tail a failed start reports."""
+    print(f"{name}: {shlex.join(command)}", flush=True)
+    log_path = os.path.join(tempfile.gettempdir(), f"run_all-{name.replace(' ', '-')}-{port}.log")
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            try:
+                wait_until_serving(url, proc, timeout=300)
+            except RuntimeError as e:
+                with open(log_path) as f:
+                    raise RuntimeError(f"{name}: {e}; {log_path} ends: {f.read()[-1500:]}") from None
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:  # its own session: the group is its children, nothing else
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
 class LlamaCpp:
+    """The offline section's llama.cpp system: replays radixlm's trace against a llama-server at `url`."""
+
     name = "llama.cpp"
 
-    def __init__(self, binary: str, gguf: str, slots: int = 32, slot_context: int = 2048, port: int = 31987) -> None:
+    def __init__(self, url: str) -> None:
         import httpx
 
-        # --no-repack: the repacked (AMX) matmul path crashes on this VM's CPU; the plain Q4_1 path runs.
-        self.proc = subprocess.Popen(
-            [binary, "-m", gguf, "--port", str(port), "-np", str(slots), "-c", str(slots * slot_context),
-             "-t", str(os.cpu_count() or 1), "--no-repack", "--no-webui"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=None,
-                                   limits=httpx.Limits(max_connections=256))
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if self.client.get("/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}")
-            time.sleep(0.5)
-        else:
-            raise RuntimeError("llama-server did not come up in 120 s")
+        self.client = httpx.Client(base_url=url, timeout=None, limits=httpx.Limits(max_connections=256))
         self.complete("Hello", 4)  # warm up
 
     def complete(self, prompt: str | list[int], n: int) -> tuple[int, int]:
@@ -403,8 +450,153 @@ class LlamaCpp:
 
     def close(self) -> None:
         self.client.close()
-        self.proc.terminate()
-        self.proc.wait(30)
+
+
+# ---- online: `radixlm bench serve` at fixed concurrency, one server at a time ---------------------------
+
+@dataclass(frozen=True)
+class OnlineWorkload:
+    """One `bench serve` run: `num` requests, `concurrency` in flight, exact lengths."""
+
+    name: str
+    concurrency: int
+    num: int
+    input_len: int  # each request's own tokens, after its group's system prompt
+    output_len: int
+    seed: int
+    prefix_len: int = 0
+    groups: int = 0  # > 0: `groups` distinct system prompts of `prefix_len` tokens, requests interleaved
+    compared: str = "output_tok_s"  # the summary field of the radixlm / llama.cpp ratio
+
+    @property
+    def description(self) -> str:
+        shared = (f"{self.groups} groups x {self.num // self.groups}, each with its own {self.prefix_len}-token "
+                  "system prompt + " if self.groups else "")
+        streams = f"{self.concurrency} stream{'s' if self.concurrency > 1 else ''}"
+        return f"{streams}, {self.num} requests: {shared}{self.input_len} in / {self.output_len} out"
+
+    def requests(self) -> list[bench_serve.Request]:
+        return bench_serve.make_requests("shared-prefix" if self.groups else "random", self.num, self.input_len,
+                                         self.output_len, 0.0, self.prefix_len, self.seed,
+                                         num_groups=max(1, self.groups))
+
+
+def online_workloads(quick: bool) -> list[OnlineWorkload]:
+    if quick:
+        return [OnlineWorkload("one-stream", 1, 2, 32, 16, seed=1),
+                OnlineWorkload("no-sharing", 4, 8, 32, 16, seed=2),
+                OnlineWorkload("shared-prompts", 4, 8, 16, 8, seed=3, prefix_len=128, groups=2,
+                               compared="request_throughput")]
+    return [OnlineWorkload("one-stream", 1, 8, 128, 128, seed=1),
+            OnlineWorkload("no-sharing", 32, 64, 128, 128, seed=2),
+            OnlineWorkload("shared-prompts", 16, 64, 64, 32, seed=3, prefix_len=1000, groups=4,
+                           compared="request_throughput")]
+
+
+@dataclass
+class OnlineResult:
+    workload: str
+    system: str
+    summary: dict[str, Any]  # bench_serve.summarize's
+    expected_tokens: int  # the output tokens the requests asked for
+
+    @property
+    def note(self) -> str:
+        s = self.summary
+        if s["failed"]:
+            return f"{s['failed']} failed: {s['errors'][0][:120]}"
+        if s["output_tokens"] != self.expected_tokens:
+            return f"made {s['output_tokens']} of {self.expected_tokens} output tokens"
+        return ""
+
+    @property
+    def valid(self) -> bool:
+        """Every request done with every token: the numbers compare with another system's."""
+        return not self.note
+
+
+def run_online(system: str, url: str, workloads: list[OnlineWorkload]) -> list[OnlineResult]:
+    """Each workload through bench serve's OpenAI client (the same body for both servers)."""
+
+    def bench(requests: list[bench_serve.Request], concurrency: int) -> dict[str, Any]:
+        outcomes, duration = asyncio.run(bench_serve.run(url, "openai", requests, float("inf"), concurrency))
+        return bench_serve.summarize(outcomes, duration)
+
+    bench(bench_serve.make_requests("random", 2, 16, 4, 0.0, 0, seed=0), 2)  # warm up
+    results = []
+    for w in workloads:
+        requests = w.requests()
+        r = OnlineResult(w.name, system, bench(requests, w.concurrency), sum(q.output_len for q in requests))
+        results.append(r)
+        s = r.summary
+        print(f"online {w.name:<16} {system:<10} {s['output_tok_s']:7.1f} out tok/s  {s['request_throughput']:6.2f} req/s  "
+              f"TTFT p50 {s['ttft_ms']['p50']:7.1f} ms  TPOT p50 {s['tpot_ms']['p50']:6.1f} ms  {r.note}", flush=True)
+    return results
+
+
+def online_section(workloads: list[OnlineWorkload], systems: list[str], gguf: str, llama_binary: str | None,
+                   notes: list[str], commands: dict[str, str]) -> list[OnlineResult]:
+    """radixlm's server, then llama-server (its defaults, one slot per stream), each alone on the machine."""
+    results: list[OnlineResult] = []
+    port = free_port()
+    radixlm = [sys.executable, "-m", "runtime.cli", "serve", "--port", str(port)]
+    commands["radixlm"] = shlex.join(radixlm)
+    with serving("radixlm", radixlm, port) as url:
+        results += run_online("radixlm", url, workloads)
+    if "llama.cpp" in systems and llama_binary:
+        port = free_port()
+        llama = llama_server_command(llama_binary, gguf, port, max(w.concurrency for w in workloads), 2048)
+        commands["llama.cpp"] = shlex.join(llama)
+        try:
+            with serving("llama.cpp", llama, port) as url:
+                results += run_online("llama.cpp", url, workloads)
+        except RuntimeError as e:  # e.g. a crash in its CPU kernels: radixlm's rows still stand
+            notes.append(f"online llama.cpp rows skipped: {e}")
+            print(notes[-1], flush=True)
+    return results
+
+
+def online_pair(online: dict[tuple[str, str], OnlineResult], workload: str) -> tuple[OnlineResult, OnlineResult] | None:
+    """radixlm's and llama.cpp's results on one workload, if both ran cleanly."""
+    a, b = online.get((workload, "radixlm")), online.get((workload, "llama.cpp"))
+    return (a, b) if a and b and a.valid and b.valid else None
+
+
+def online_ratio(online: dict[tuple[str, str], OnlineResult], workload: str, key: str) -> float | None:
+    """radixlm's summary[key] over llama.cpp's."""
+    pair = online_pair(online, workload)
+    return pair[0].summary[key] / pair[1].summary[key] if pair and pair[1].summary[key] else None
+
+
+def cpu_description() -> str:
+    """/proc/cpuinfo's model name and which of the features that pick CPU kernels it has."""
+    model, features = cpu_info()
+    return f"{model}; features {' '.join(features) or 'none of ' + ' '.join(FEATURES)}"
+
+
+def online_report(online: list[OnlineResult], workloads: list[OnlineWorkload], meta: dict[str, Any]) -> list[str]:
+    by = {(r.workload, r.system): r for r in online}
+    lines = ["## Online: `radixlm bench serve` at fixed concurrency", "",
+             f"CPU: {meta['cpu']}. llama.cpp: {meta.get('llama_cpp_version') or 'not run'}.", ""]
+    lines += [f"- {system}: `{command}`" for system, command in meta["online_commands"].items()]
+    lines += ["", "Each server alone on the machine, warmed up, then each workload through bench serve's OpenAI "
+              "client: `/v1/completions`, token-id prompts, streamed, greedy, `ignore_eos`. The ratio is "
+              "radixlm's over llama.cpp's output tok/s (request/s for shared-prompts).", "",
+              "| workload | what | system | output tok/s | request/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
+              "TPOT p99 ms | cache hit | radixlm / llama.cpp | note |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for w in workloads:
+        for system in ONLINE_SYSTEMS:
+            r = by.get((w.name, system))
+            if r is None:
+                continue
+            s, ttft, tpot = r.summary, r.summary["ttft_ms"], r.summary["tpot_ms"]
+            speedup = online_ratio(by, w.name, w.compared) if system == "radixlm" else None
+            lines.append(f"| {w.name} | {w.description} | {system} | {s['output_tok_s']:.1f} | "
+                         f"{s['request_throughput']:.2f} | {ttft['p50']:.1f} | {ttft['p99']:.1f} | {tpot['p50']:.1f} | "
+                         f"{tpot['p99']:.1f} | {pct(s['cache_hit_rate'])} | "
+                         f"{'-' if speedup is None else f'{speedup:.2f}x'} | {r.note} |")
+    return lines + [""]
 
 
 # ---- report ------------------------------------------------------------------------------------------
@@ -417,14 +609,25 @@ def pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
-def report(results: list[Result], workloads: list[Workload], meta: dict[str, Any]) -> str:
-    by = {(r.workload, r.system): r for r in results}
-    systems = [s for s in ALL_SYSTEMS if any(r.system == s for r in results)]
+def report(results: list[Result], workloads: list[Workload], online_results: list[OnlineResult],
+           online: list[OnlineWorkload], meta: dict[str, Any]) -> str:
     lines = [f"# radixlm benchmarks{' (quick)' if meta['quick'] else ''}", "",
              f"`{meta['command']}` — {meta['date']}, {meta['machine']}, SmolLM2-135M-Instruct "
              f"(radixlm and HF: fp32 from the Q4_1 GGUF; llama.cpp: Q4_1 itself), load average "
-             f"{meta['load_before']:.1f} before, {meta['load_after']:.1f} after.", "",
-             "Throughput is programs (or raw requests) per second; a ratio is radixlm's throughput over the "
+             f"{meta['load_before']:.1f} before, {meta['load_after']:.1f} after.", ""]
+    if results:
+        lines += offline_report(results, workloads)
+    if online_results:
+        lines += online_report(online_results, online, meta)
+    by = {(r.workload, r.system): r for r in results}
+    lines += [*targets(by, {(r.workload, r.system): r for r in online_results}), "", *meta["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def offline_report(results: list[Result], workloads: list[Workload]) -> list[str]:
+    by = {(r.workload, r.system): r for r in results}
+    systems = [s for s in ALL_SYSTEMS if any(r.system == s for r in results)]
+    lines = ["Throughput is programs (or raw requests) per second; a ratio is radixlm's throughput over the "
              "other system's, on the same work in the same run.", "",
              "| workload | what | radixlm /s | vs hf-static | vs no-cache | vs fcfs | vs llama.cpp | radixlm cache hit |",
              "|---|---|---|---|---|---|---|---|"]
@@ -446,12 +649,11 @@ def report(results: list[Result], workloads: list[Workload], meta: dict[str, Any
             p50, p90 = np.percentile(r.latencies_s, [50, 90]) if r.latencies_s else (0.0, 0.0)
             lines.append(f"| {w.name} | {s} | {r.wall_s:.1f} | {r.throughput:.2f} | {r.output_tokens / r.wall_s:.1f} | "
                          f"{p50:.1f} | {p90:.1f} | {pct(r.hit_rate)} | {pct(r.same_pick)} | {r.note} |")
-    lines += ["", *targets(by), "", *meta["notes"]]
-    return "\n".join(lines) + "\n"
+    return lines + [""]
 
 
-def targets(by: dict[tuple[str, str], Result]) -> list[str]:
-    """Issue 7's targets, met or not, from this run's numbers."""
+def targets(by: dict[tuple[str, str], Result], online: dict[tuple[str, str], OnlineResult]) -> list[str]:
+    """Issue 7's targets and the online section's, met or not, from this run's numbers."""
     out = ["Targets:"]
 
     def check(label: str, value: float | None, goal: float, fmt: str, higher: bool = True) -> None:
@@ -472,11 +674,20 @@ def targets(by: dict[tuple[str, str], Result]) -> list[str]:
     nocache = speedup("no-sharing", "radixlm no-cache")
     check("radix cache overhead with no sharing (wall, cache on / off - 1)",
           None if nocache is None else 1 / nocache - 1, 0.01, "{:+.1%}", higher=False)
+    check("online no sharing, 32 streams, output tok/s vs llama.cpp", online_ratio(online, "no-sharing", "output_tok_s"),
+          1.5, "{:.2f}x")
+    pair = online_pair(online, "no-sharing")
+    ours, theirs = (pair[0].summary["tpot_ms"]["p50"], pair[1].summary["tpot_ms"]["p50"]) if pair else (None, 0.0)
+    check("online no sharing, 32 streams, TPOT p50 vs llama.cpp's", ours, theirs, "{:.1f} ms", higher=False)
+    check("online shared prompts, 16 streams, request/s vs llama.cpp",
+          online_ratio(online, "shared-prompts", "request_throughput"), 5.0, "{:.2f}x")
     return out
 
 
 def plots(results: list[Result], workloads: list[Workload], out_dir: str) -> list[str]:
-    """Three PNGs; each system keeps its colour in all of them."""
+    """Three PNGs of the offline section (none if it did not run); each system keeps its colour in all."""
+    if not results:
+        return []
     import matplotlib
 
     matplotlib.use("Agg")
@@ -551,7 +762,8 @@ def replot(out_dir: str) -> None:
     fields = {f for f in Result.__dataclass_fields__}
     results = [Result(**{k: v for k, v in r.items() if k in fields}) for r in saved]
     names = list(dict.fromkeys(r.workload for r in results))
-    print("wrote", ", ".join(plots(results, [Workload(n, "") for n in names], out_dir)))
+    files = plots(results, [Workload(n, "") for n in names], out_dir)
+    print("wrote", ", ".join(files) if files else "nothing: the file has no offline results to plot")
 
 
 # ---- main -----------------------------------------------------------------------------------------
@@ -559,7 +771,8 @@ def replot(out_dir: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CI); writes to benchmarks/results/quick/")
-    ap.add_argument("--only", default="", help="comma-separated workloads (default: all)")
+    ap.add_argument("--only", default="", help=f"comma-separated workloads, {ONLINE!r} for the online section "
+                                                "(default: all and the online section)")
     ap.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma-separated systems (default: all)")
     ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results[/quick])")
     ap.add_argument("--replot", action="store_true", help="redraw the plots from the folder's summary.json, run nothing")
@@ -568,7 +781,9 @@ def main() -> None:
         replot(args.out or os.path.join(HERE, "results", *(["quick"] if args.quick else [])))
         return
     torch.set_num_threads(os.cpu_count() or 1)
-    workloads = [w for w in all_workloads(args.quick) if not args.only or w.name in args.only.split(",")]
+    only = args.only.split(",") if args.only else []
+    workloads = [w for w in all_workloads(args.quick) if not only or w.name in only]
+    online = online_workloads(args.quick) if not only or ONLINE in only else []
     systems = args.systems.split(",")
     unknown = set(systems) - set(ALL_SYSTEMS)
     if unknown or "radixlm" not in systems:
@@ -601,37 +816,49 @@ def main() -> None:
             backend.shutdown()
 
     path = default_model_path()
-    if "hf-static" in systems:
+    if "hf-static" in systems and workloads:
         hf = HFStatic(path)
         for w in workloads:
             add(hf.run(w, traces[w.name]))
         del hf
-    if "llama.cpp" in systems:
-        binary = llama_server_binary()
-        if binary is None:
-            notes.append("llama.cpp: no llama-server binary (bash benchmarks/baselines/install_llama_cpp.sh builds "
-                          "one); its rows are skipped.")
-            print(notes[-1])
-        else:
-            server = LlamaCpp(binary, path)
+    binary = llama_server_binary() if "llama.cpp" in systems else None
+    if "llama.cpp" in systems and binary is None:
+        notes.append("llama.cpp: no llama-server binary (bash benchmarks/baselines/install_llama_cpp.sh builds "
+                     "one); its rows are skipped.")
+        print(notes[-1])
+    if binary and workloads:
+        port = free_port()
+        # --no-repack: the repacked (AMX) matmul path crashes on this VM's CPU; the plain Q4_1 path runs.
+        with serving("llama.cpp", llama_server_command(binary, path, port, 32, 2048, "--no-repack", "--no-webui"),
+                     port) as url:
+            server = LlamaCpp(url)
             try:
                 for w in workloads:
                     add(server.run(w, traces[w.name]))
             finally:
                 server.close()
 
-    meta = {"command": "python benchmarks/run_all.py" + (" --quick" if args.quick else ""),
+    online_results: list[OnlineResult] = []
+    commands: dict[str, str] = {}
+    meta = {"command": shlex.join(["python", "benchmarks/run_all.py", *sys.argv[1:]]),
             "date": time.strftime("%Y-%m-%d %H:%M"), "quick": args.quick, "notes": notes,
             "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__} with {torch.get_num_threads()} threads",
-            "load_before": load_before, "load_after": os.getloadavg()[0]}
-    text = report(results, workloads, meta)
-    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+            "cpu": cpu_description(), "llama_cpp_version": llama_cpp_version(binary) if binary else None,
+            "online_commands": commands, "load_before": load_before}
+    if online:
+        print(f"CPU: {meta['cpu']}\nllama.cpp: {meta['llama_cpp_version'] or 'not run'}", flush=True)
+        online_results = online_section(online, systems, path, binary, notes, commands)
+    meta["load_after"] = os.getloadavg()[0]
+    text = report(results, workloads, online_results, online, meta)
+    stem = "summary" if results else "online"  # an online-only run leaves the full run's summary alone
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
         f.write(text)
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump({"meta": meta, "results": [asdict(r) | {"throughput": r.throughput} for r in results]}, f, indent=1)
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump({"meta": meta, "results": [asdict(r) | {"throughput": r.throughput} for r in results],
+                   "online": [asdict(r) | {"note": r.note} for r in online_results]}, f, indent=1)
     files = plots(results, workloads, out_dir)
     print("\n" + text)
-    print("wrote", ", ".join([os.path.join(out_dir, "summary.md"), os.path.join(out_dir, "summary.json"), *files]))
+    print("wrote", ", ".join([os.path.join(out_dir, f"{stem}.md"), os.path.join(out_dir, f"{stem}.json"), *files]))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """The matmuls over a step's tokens: which CPU kernel runs them, and the batch-invariant mode.
 
 Two fp32 kernels are available in every torch build for CPUs: `F.linear` (MKL's sgemm where
-torch was built with it) and oneDNN's inner product (`mkldnn._linear_pointwise`). Which is
-faster depends on the CPU: on an AMD EPYC with AVX-512, oneDNN ran SmolLM2's weight pass 2.2x
-faster at 1-288 rows (benchmarks/linear_batch.py), as MKL does not take its fastest paths
-there. So the worker times both on the model's own weights when it starts (`pick_kernel`) and
+torch was built with it) and oneDNN's inner product (`mkldnn._linear_pointwise`) on weights laid
+out for it once (`packed`). Which is faster depends on the CPU: on an AMD EPYC with AVX-512,
+oneDNN ran SmolLM2's weight pass 2-3x faster at 1-256 rows (benchmarks/linear_batch.py), as MKL
+does not take its fastest paths there. So the worker times both on the model's own weights when it starts (`pick_kernel`) and
 runs the faster; `--linear-kernel` forces one. They sum in different orders, so results differ
 in the last bits (the HF oracle's tolerance covers it).
 
@@ -48,8 +48,25 @@ def linear_mode(mode: LinearMode) -> Iterator[None]:
         _mode.reset(token)
 
 
+# the batch size oneDNN is told to expect when it lays a weight out; any other batch size runs on
+# the same layout, bitwise as on the plain weight (16 and 64 ran alike: benchmarks/linear_batch.py)
+PACK_ROWS = 16
+
+
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, packed(weight), bias, "none", [], "")
+
+
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` in oneDNN's own blocked layout, made on first use and kept on the tensor: without it
+    oneDNN lays the weight out again on every call, which at decode's few rows costs as much as the
+    product (a weight pass at 16 rows: 28 ms plain, 16.5 ms packed). Costs the weight's size again
+    in memory (the plain weight stays: embeddings and other kernels read it)."""
+    pack = getattr(weight, "_onednn_packed", None)
+    if pack is None:
+        pack = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+        weight._onednn_packed = pack  # type: ignore[attr-defined]
+    return pack
 
 
 _RUN = {"torch": F.linear, "onednn": _onednn}

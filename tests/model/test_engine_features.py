@@ -218,6 +218,22 @@ def test_max_running_requests_caps_the_batch(tiny_llama):
     assert_drained(engine)
 
 
+def _step_until_done(sched, arrivals: dict[int, list[TokenizedRequest]], limit: int = 60) -> dict:
+    """Step the scheduler, adding `arrivals[step]` before that step; every request's tokens by id
+    and its finish reason under "<id>.finish"."""
+    finished: dict = {}
+    for step in range(limit):
+        for tr in arrivals.get(step, []):
+            sched.add_request(tr)
+        for out in sched.step():
+            finished.setdefault(out.rid, []).extend(out.new_token_ids)
+            if out.finish_reason:
+                finished[out.rid + ".finish"] = out.finish_reason
+        if not sched.has_work:
+            break
+    return finished
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_a_running_request_that_faults_fails_alone_and_the_prompts_beside_it_run_after(tiny_llama, page_size, caplog):
     """The other way round: the mixed pass faults because of its decode row. The decodes alone
@@ -235,16 +251,7 @@ def test_a_running_request_that_faults_fails_alone_and_the_prompts_beside_it_run
     greedy = dict(max_new_tokens=12, temperature=0)
     a, b = tiny_llama.prompts[0], tiny_llama.prompts[1]
     sched.add_request(TokenizedRequest("a", a, SamplingParams(**greedy)))
-    finished = {}
-    for step in range(60):
-        if step == 2:
-            sched.add_request(TokenizedRequest("b", b, SamplingParams(**greedy)))
-        for out in sched.step():
-            finished.setdefault(out.rid, []).extend(out.new_token_ids)
-            if out.finish_reason:
-                finished[out.rid + ".finish"] = out.finish_reason
-        if not sched.has_work:
-            break
+    finished = _step_until_done(sched, {2: [TokenizedRequest("b", b, SamplingParams(**greedy))]})
     assert calls[2:5] == [1 + len(b), 1, len(b)], "mixed pass, a's decode alone, then b's prefill alone"
     assert finished["a.finish"]["status"] == 500 and "error id" in finished["a.finish"]["message"]
     assert finished["b.finish"]["type"] == "length"
@@ -267,17 +274,9 @@ def test_a_forward_that_raises_fails_its_batch_and_the_rest_carry_on(tiny_llama,
     greedy = dict(max_new_tokens=12, temperature=0)
     a, b, c = tiny_llama.prompts[0], tiny_llama.prompts[1], tiny_llama.prompts[2]
     sched.add_request(TokenizedRequest("a", a, SamplingParams(**greedy)))
-    finished = {}
-    for step in range(60):
-        if step == 2:  # a is decoding; b's prefill rides with a's token in the failing pass; c waits
-            sched.add_request(TokenizedRequest("b", b, SamplingParams(**greedy)))
-            sched.add_request(TokenizedRequest("c", c, SamplingParams(**greedy)))
-        for out in sched.step():
-            finished.setdefault(out.rid, []).extend(out.new_token_ids)
-            if out.finish_reason:
-                finished[out.rid + ".finish"] = out.finish_reason
-        if not sched.has_work:
-            break
+    # a is decoding; b's prefill rides with a's token in the failing pass; c waits (two may run)
+    finished = _step_until_done(sched, {2: [TokenizedRequest("b", b, SamplingParams(**greedy)),
+                                            TokenizedRequest("c", c, SamplingParams(**greedy))]})
     assert calls[2] == 1 + len(b), "the third pass is a's decode and b's prefill"
     assert calls[3] == 1, "then a's decode alone, to tell whose fault it was"
     fail = finished["b.finish"]

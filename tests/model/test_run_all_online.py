@@ -30,7 +30,7 @@ def test_run_all_online_quick(tmp_path):
                            "online", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
     assert done.returncode == 0, done.stderr[-3000:]
-    saved = json.loads((tmp_path / "summary.json").read_text())
+    saved = json.loads((tmp_path / "online.json").read_text())
     assert saved["results"] == [] and not list(tmp_path.glob("*.png"))  # the offline section did not run
     llama = saved["meta"]["llama_cpp_version"] is not None  # a binary was found, so its rows must be there
     by = {(r["workload"], r["system"]): r for r in saved["online"]}
@@ -44,7 +44,7 @@ def test_run_all_online_quick(tmp_path):
             assert 0 < summary[key]["p50"] <= summary[key]["p99"], (w, s, key, summary[key])
     assert by[("shared-prompts", "radixlm")]["summary"]["cache_hit_rate"] > 0.3  # the groups' prompts are reused
 
-    text = (tmp_path / "summary.md").read_text()
+    text = (tmp_path / "online.md").read_text()
     assert "## Online" in text and "CPU: " in text and "- radixlm: `" in text
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith(tuple(f"| {w} |" for w in WORKLOADS))]
     assert sorted((row[0][2:], row[2]) for row in rows) == sorted(by), rows  # one table row per result

@@ -28,7 +28,7 @@ def _naive(q, pool, layer, table, rows, prefix_lens, extend_lens, scale):
     return torch.stack(outs)
 
 
-def _batch(prefix_lens, extend_lens, shared_prefix=0, groups=None, seed=0):
+def _batch(prefix_lens, extend_lens, shared_prefix=0, groups=None, seed=0, consecutive=False):
     """A pool whose requests' rows start with common slots: request i belongs to group groups[i]
     (default: all to group 0), and each group's rows share their first `shared_prefix` slots
     (an int, or one per group); the rest are the row's own, random. One-token rows must come
@@ -38,7 +38,7 @@ def _batch(prefix_lens, extend_lens, shared_prefix=0, groups=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     pool = KVPool(1, SLOTS, KV_HEADS, DIM, torch.float32, "cpu")
     table = ReqToTokenTable(len(prefix_lens) + 1, 2048, "cpu")
-    free = torch.randperm(SLOTS, generator=g)
+    free = torch.arange(SLOTS) if consecutive else torch.randperm(SLOTS, generator=g)
     commons = []
     for length in shared_lens:
         commons.append(free[:length])
@@ -110,8 +110,16 @@ def test_each_group_reads_its_shared_prefix_once():
     _check(fb, q, k, v)
     shared = {tuple(s.rows.tolist()): s.slots.numel() for s in fb.attn_meta.shared}
     assert shared == {(0, 1, 2): 256, (3, 4): 48}
+    assert all(s.first is None for s in fb.attn_meta.shared), "scattered slots are gathered, not viewed"
     own_keys = sum(int(b.mask.sum()) for b in fb.attn_meta.decode)
     assert own_keys == sum(p + 1 for p in prefix_lens) - 3 * 256 - 2 * 48  # each prefix read once, not per row
+
+
+def test_a_shared_prefix_in_consecutive_slots_is_read_in_place():
+    fb, q, k, v = _batch([100, 130, 170], [1, 1, 1], shared_prefix=96, consecutive=True)
+    _check(fb, q, k, v)
+    (shared,) = fb.attn_meta.shared
+    assert shared.first == int(shared.slots[0]) and shared.slots.numel() == 96
 
 
 def test_a_mixed_batch_matches_naive():

@@ -49,6 +49,7 @@ class SharedPrefix(NamedTuple):
     rows: torch.Tensor  # [n] positions among the decode rows
     slots: torch.Tensor  # [L] the slots every one of them starts with
     index: torch.Tensor  # head_index(slots)
+    first: int | None  # the first slot when they are consecutive (a prompt prefilled at once): read in place
 
 
 class ExtendBucket(NamedTuple):
@@ -124,8 +125,12 @@ def _decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: 
             lse[:, b.rows] = (m + l.log()).view(kv_heads, n, group, 1)
     for s in meta.shared:  # a group's common prefix, once for all its queries
         n = s.rows.shape[0]
-        keys = gather_heads(k_pool, s.index, s.slots.shape).float()  # [kv_heads, L, d]
-        values = gather_heads(v_pool, s.index, s.slots.shape).float()
+        if s.first is not None:  # a view of the pool: no copy of the prefix at all
+            keys = k_pool[:, s.first : s.first + s.slots.shape[0]].float()  # [kv_heads, L, d]
+            values = v_pool[:, s.first : s.first + s.slots.shape[0]].float()
+        else:
+            keys = gather_heads(k_pool, s.index, s.slots.shape).float()
+            values = gather_heads(v_pool, s.index, s.slots.shape).float()
         queries = qg[:, s.rows].reshape(kv_heads, n * group, dim)
         o, m, l = _partial_softmax(torch.bmm(queries, keys.transpose(1, 2)), values)  # over [kv_heads, n * g, L]
         o, m, l = (t.view(kv_heads, n, group, -1) for t in (o, m, l))
@@ -197,7 +202,8 @@ def _shared_prefixes(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Te
         length = _common_prefix_len(table, rows[members], seq_lens[members])
         if length >= CASCADE_MIN_PREFIX:
             slots = table[rows[members[0]], :length]
-            out.append(SharedPrefix(members, slots, head_index(slots, *heads)))
+            consecutive = bool((slots[1:] - slots[:-1] == 1).all())
+            out.append(SharedPrefix(members, slots, head_index(slots, *heads), int(slots[0]) if consecutive else None))
     return out
 
 

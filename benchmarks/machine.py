@@ -1,0 +1,71 @@
+"""This machine, as every benchmark prints it beside its numbers: the CPU, its vector features,
+and its measured copy bandwidth and fp32 matmul rate (the roofline a step is held to)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from runtime.worker import gemm
+
+FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+@dataclass
+class Machine:
+    cpu: str
+    features: list[str]
+    cores: int
+    threads: int
+    bandwidth: float  # bytes/s, a large copy (read + write)
+    matmul: float  # fp32 FLOP/s, a square matmul, the faster of this torch's kernels
+
+    def lines(self) -> list[str]:
+        return [f"CPU: {self.cpu}, {self.cores} cores, torch threads {self.threads}, "
+                f"features: {' '.join(self.features) or 'none of ' + ' '.join(FEATURES)}",
+                f"measured: copy bandwidth {self.bandwidth / 1e9:.1f} GB/s, fp32 matmul {self.matmul / 1e9:.0f} GFLOP/s "
+                "(the faster of F.linear and oneDNN, 2048 x 2048 x 2048)"]
+
+
+def cpu_info() -> tuple[str, list[str]]:
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return model, [f for f in FEATURES if f in flags]
+
+
+def _best(fn, *args, tries: int) -> float:
+    best = float("inf")
+    for _ in range(tries):
+        start = time.perf_counter()
+        fn(*args)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure(quick: bool = False) -> Machine:
+    n = 1 << (24 if quick else 30)  # bytes copied: 1 GB, past any last-level cache
+    src = torch.ones(n, dtype=torch.uint8)  # written: untouched pages all read the one zero page, from cache
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    bandwidth = 2 * n / _best(dst.copy_, src, tries=5)
+    size = 512 if quick else 2048
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    flops = 0.0
+    for kernel in gemm.available(torch.device("cpu")):
+        with gemm.linear_mode(gemm.LinearMode(kernel)):
+            gemm.linear(a, b)
+            flops = max(flops, 2 * size ** 3 / _best(gemm.linear, a, b, tries=3))
+    model, features = cpu_info()
+    return Machine(model, features, os.cpu_count() or 1, torch.get_num_threads(), bandwidth, flops)
