@@ -15,10 +15,8 @@ from __future__ import annotations
 import logging
 import select
 import uuid
-from dataclasses import dataclass
 from typing import Callable
 
-import torch
 from outlines_core import Guide
 
 from runtime.args import ServerArgs
@@ -34,6 +32,7 @@ from runtime.scheduler.retraction import make_room
 from runtime.worker.model_worker import ModelWorker, WorkerOutput
 
 log = logging.getLogger(__name__)
+
 
 class RequestError(ValueError):
     """A request the scheduler cannot take (the message says why)."""
