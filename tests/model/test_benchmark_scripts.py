@@ -38,6 +38,19 @@ def test_step_cost_quick():
     assert "| --deterministic |" in out and re.search(r"^\| 8 \| 2 \| .+ \| [+-][\d.]+% \|$", out, re.M)
 
 
+def test_quant_kernels_quick():
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "quant_kernels.py"), "--quick"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = dict(re.findall(r"^\| (fp32 F.linear|int4 bf16|int4 fp32|int8 bf16|int8 fp32) \| (.+) \|$", done.stdout, re.M))
+    assert set(rows) == {"fp32 F.linear", "int4 bf16", "int4 fp32", "int8 bf16", "int8 fp32"}, done.stdout
+    for name, cells in rows.items():
+        *times, error = (c.strip() for c in cells.split("|"))
+        assert all(float(t) > 0 for t in times), (name, times)
+        # each kernel against the same quantized weights in fp32: only its own rounding (bf16 inputs) differs
+        assert float(error) < (5e-2 if "bf16" in name else 1e-4), (name, error)
+
+
 def test_run_all_quick(tmp_path):
     """Every workload on the systems that make the ratios (llama.cpp needs a binary built by hand;
     `radixlm fcfs` differs only in an option, and the scheduler's property tests run every policy)."""
