@@ -20,21 +20,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
+import sys
 
 import torch
 import torch.nn.functional as F
 
-HIDDEN, INTER, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30
-
-
-def best_of(passes: int, fn) -> float:
-    best = float("inf")
-    for _ in range(passes):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.machine import HIDDEN, INTER, best_of, smollm2_shapes  # noqa: E402
 
 
 def main() -> None:
@@ -44,8 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    shapes = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS + [(VOCAB, HIDDEN)]
-    weights = [torch.randn(o, i) for o, i in shapes]
+    weights = [torch.randn(o, i) for o, i in smollm2_shapes()]
     total = sum(w.numel() * 4 for w in weights)
     print(f"{len(weights)} matrices, {total / 1e6:.0f} MB, {args.threads} threads\n")
     print("| batch | F.linear ms | GB/s | MKL packed ms | oneDNN ms | oneDNN packed ms | GB/s | MKL packed max diff | oneDNN max diff |")

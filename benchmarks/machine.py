@@ -45,7 +45,17 @@ def cpu_info() -> tuple[str, list[str]]:
     return model, [f for f in FEATURES if f in flags]
 
 
-def _best(fn, *args, tries: int) -> float:
+# SmolLM2-135M's matrix shapes: (out, in) of qkv, o, gate_up, down per layer; the LM head apart
+HIDDEN, INTER, QKV, VOCAB = 576, 1536, 960, 49152
+
+
+def smollm2_shapes(layers: int = 30) -> list[tuple[int, int]]:
+    """The weight matrices a SmolLM2 step multiplies by, `layers` decoder layers and the LM head."""
+    return [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * layers + [(VOCAB, HIDDEN)]
+
+
+def best_of(tries: int, fn, *args) -> float:
+    """The fastest of `tries` timed calls of fn(*args), in seconds."""
     best = float("inf")
     for _ in range(tries):
         start = time.perf_counter()
@@ -59,13 +69,13 @@ def measure(quick: bool = False) -> Machine:
     src = torch.ones(n, dtype=torch.uint8)  # written: untouched pages all read the one zero page, from cache
     dst = torch.empty_like(src)
     dst.copy_(src)
-    bandwidth = 2 * n / _best(dst.copy_, src, tries=5)
+    bandwidth = 2 * n / best_of(5, dst.copy_, src)
     size = 512 if quick else 2048
     a, b = torch.randn(size, size), torch.randn(size, size)
     flops = 0.0
     for kernel in gemm.available(torch.device("cpu")):
         with gemm.linear_mode(gemm.LinearMode(kernel)):
             gemm.linear(a, b)
-            flops = max(flops, 2 * size ** 3 / _best(gemm.linear, a, b, tries=3))
+            flops = max(flops, 2 * size ** 3 / best_of(3, gemm.linear, a, b))
     model, features = cpu_info()
     return Machine(model, features, os.cpu_count() or 1, torch.get_num_threads(), bandwidth, flops)

@@ -22,17 +22,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.machine import cpu_info  # noqa: E402
+from benchmarks.machine import HIDDEN, INTER, best_of, cpu_info, smollm2_shapes  # noqa: E402
 from runtime.worker import gemm  # noqa: E402
 
-HIDDEN, INTER, QKV, VOCAB = 576, 1536, 960, 49152
 GROUP = 32
 
 
@@ -68,16 +66,6 @@ class Int8:
         return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales.to(x.dtype))
 
 
-def best_of(passes: int, fn: Callable[[], object]) -> float:
-    fn()  # warm: first calls build kernels
-    best = float("inf")
-    for _ in range(passes):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -86,8 +74,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     layers = 2 if args.quick else 30
-    shapes = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * layers + [(VOCAB, HIDDEN)]
-    weights = [torch.randn(o, i) * 0.02 for o, i in shapes]
+    weights = [torch.randn(o, i) * 0.02 for o, i in smollm2_shapes(layers)]
     int4 = [Int4(w) for w in weights]
     int8 = [Int8(w) for w in weights]
     fp32_bytes = sum(w.numel() * 4 for w in weights)
@@ -122,7 +109,12 @@ def main() -> None:
         cells = []
         for b in batches:
             xs = {k: torch.randn(b, k).to(dtype) for k in (HIDDEN, INTER)}
-            t = best_of(3, lambda: [run(xs[w.shape[1]], i) for i, w in enumerate(weights)])
+            def one_pass() -> None:
+                for i, w in enumerate(weights):
+                    run(xs[w.shape[1]], i)
+
+            one_pass()  # warm: first calls build kernels
+            t = best_of(3, one_pass)
             cells.append(f"{t * 1e3:.1f} | {nbytes / t / 1e9:.1f}")
         x = torch.randn(4, HIDDEN)
         error = (run(x.to(dtype), 2).float() - x.to(dtype).float() @ reference[2].t()).abs().max().item()

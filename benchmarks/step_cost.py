@@ -22,7 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.machine import measure  # noqa: E402
+from benchmarks.machine import best_of, measure  # noqa: E402
 from runtime.local_engine import LocalEngine  # noqa: E402
 from runtime.messages import TokenizedRequest  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
@@ -60,11 +60,15 @@ class Bench:
             self.sched.abort(rid)
 
     def step_time(self, tries: int) -> float:
+        return best_of(tries, self.sched.step)
+
+    def prompt_step_time(self, prompt_len: int, tries: int) -> float:
+        """The best step with a fresh `prompt_len`-token prompt riding on it (it then ends)."""
         best = float("inf")
         for _ in range(tries):
-            start = time.perf_counter()
-            self.sched.step()
-            best = min(best, time.perf_counter() - start)
+            rid = self.add(prompt_len, max_new=1)
+            best = min(best, best_of(1, self.sched.step))
+            self.drop([rid])
         return best
 
     def flops(self, tokens: int, keys: int) -> float:
@@ -89,13 +93,7 @@ def mixed_rows(b: Bench, decoders: int, prefills: list[int], tries: int) -> list
     base = b.step_time(tries)
     rows = [f"| {decoders} | 0 | {base * 1e3:.1f} | - | 1.00x |"]
     for p in prefills:
-        best = float("inf")
-        for _ in range(tries):
-            rid = b.add(p, max_new=1)  # its whole prompt rides on the next step, then it ends
-            start = time.perf_counter()
-            b.sched.step()
-            best = min(best, time.perf_counter() - start)
-            b.drop([rid])
+        best = b.prompt_step_time(p, tries)
         rows.append(f"| {decoders} | {p} | {best * 1e3:.1f} | {(best - base) / p * 1e3:.2f} | {best / base:.2f}x |")
     b.drop(rids)
     return rows
@@ -112,13 +110,7 @@ def deterministic_rows(engine: LocalEngine, decoders: int, prefill: int, tries: 
         rids = b.decoding(decoders)
         b.step_time(2)
         decode = b.step_time(tries)
-        best = float("inf")
-        for _ in range(tries):
-            rid = b.add(prefill, max_new=1)
-            start = time.perf_counter()
-            b.sched.step()
-            best = min(best, time.perf_counter() - start)
-            b.drop([rid])
+        best = b.prompt_step_time(prefill, tries)
         b.drop(rids)
         e.shutdown()
         rows.append((name, decode, best))

@@ -31,6 +31,7 @@ class Budget:
     tokens: int  # prefill tokens left this step
     chunk: int | None  # the most any one prompt may bring (None: no chunking, whole prompts)
     pages: int  # free + evictable pages minus what running requests have reserved
+    decode_pages: int = 0  # new pages the running requests take this step
 
     def take(self, tokens: int, pages: int) -> None:
         self.tokens -= tokens
@@ -49,24 +50,27 @@ class Admitted:
     oversized: list[Req] = field(default_factory=list)  # could never fit, even alone: they end here
 
 
-def step_budget(args: ServerArgs, decode_tokens: int, pages: int) -> Budget:
-    """The prefill share of a step whose running requests bring `decode_tokens`."""
+def step_budget(args: ServerArgs, kv: KVManager, running: list[Req], chunked: Req | None, ratio: float) -> Budget:
+    """The prefill share of a step: the token budget less the running requests' tokens, and the
+    pages no one has claimed (`reserved_pages`)."""
+    decode_pages = step_pages(kv, running)
+    pages = kv.available_pages - reserved_pages(kv, running, chunked, ratio) - decode_pages
     chunk = args.chunk_size
     if chunk is None:  # chunking off: whole prompts, up to max_prefill_tokens beside the decodes
-        return Budget(tokens=args.max_prefill_tokens, chunk=None, pages=pages)
-    left = max(min(chunk, args.max_prefill_tokens) - decode_tokens, 0)
-    return Budget(tokens=left, chunk=left, pages=pages)
+        return Budget(tokens=args.max_prefill_tokens, chunk=None, pages=pages, decode_pages=decode_pages)
+    left = max(min(chunk, args.max_prefill_tokens) - sum(r.extend_len for r in running), 0)
+    return Budget(tokens=left, chunk=left, pages=pages, decode_pages=decode_pages)
 
 
 def reserved_pages(kv: KVManager, running: list[Req], chunked: Req | None, ratio: float) -> int:
-    """Pages claimed by requests already in: their decode growth (scaled by `ratio`), the
-    chunked prompt's rest, this step's new pages, and what jumped requests still owe."""
+    """Pages claimed by requests already in, past this step's: their decode growth (scaled by
+    `ratio`) and the chunked prompt's rest."""
     reqs = running + ([chunked] if chunked else [])
     tokens = sum(reserved_decode_tokens(r, ratio) for r in reqs)
     if chunked is not None:
         tokens += chunked.extend_len
     page_slack = len(reqs) if kv.page_size > 1 else 0  # each may need a page of its own this step
-    return pages_for(tokens, kv.page_size) + page_slack + step_pages(kv, running)
+    return pages_for(tokens, kv.page_size) + page_slack
 
 
 def step_pages(kv: KVManager, running: list[Req]) -> int:
@@ -83,7 +87,7 @@ def admit(args: ServerArgs, kv: KVManager, waiting: list[Req], running: list[Req
         n = _chunk_len(chunked, budget, first=True)
         # its pages were reserved when it was admitted, but running requests may have outgrown
         # their reservations since: then it waits (retraction steps it back if they keep growing)
-        if n == 0 or kv.pages_to_extend(chunked, n) > kv.available_pages - step_pages(kv, running):
+        if n == 0 or kv.pages_to_extend(chunked, n) > kv.available_pages - budget.decode_pages:
             out.chunked = chunked  # no room this step: it waits, its pages held
             return out
         budget.take(n, 0)

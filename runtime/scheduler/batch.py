@@ -48,15 +48,19 @@ def make_batch(running: list[Req], prefill: list[Req], prefill_lens: list[int]) 
     packed = [row for row in rows if row[1] == 1] + [row for row in rows if row[1] != 1]
     reqs = [r for r, _ in packed]
     lens = [n for _, n in packed]
+    prefilling = {id(r) for r in prefill}
     sampled, spans = [], []
     for req, n in packed:
+        if id(req) not in prefilling:  # running: its tokens end the sequence, its prompt logprobs are done
+            sampled.append(req)
+            continue
         if req.cached_len + n == req.seq_len and req.params.max_new_tokens > 0:
             sampled.append(req)
         span = _logprob_span(req, n)
         if span is not None:
             spans.append(span)
     num_decode = sum(1 for n in lens if n == 1)
-    return ScheduledBatch(reqs, lens, num_decode, {id(r) for r in prefill}, sampled, spans)
+    return ScheduledBatch(reqs, lens, num_decode, prefilling, sampled, spans)
 
 
 def _logprob_span(req: Req, n: int) -> tuple[Req, int, int] | None:

@@ -23,7 +23,7 @@ from runtime.args import ServerArgs
 from runtime.constrained.grammar import GrammarCompiler, GrammarError, constraint_key
 from runtime.constrained.jump_forward import RETOKENIZE_TOKENS
 from runtime.messages import TokenizedRequest, TokenOutput
-from runtime.scheduler.admission import admit, reserved_pages, step_budget
+from runtime.scheduler.admission import Admitted, admit, step_budget
 from runtime.scheduler.batch import PenaltyTracker, ScheduledBatch, make_batch, sampling_batch, to_worker_batch
 from runtime.scheduler.jump_forward import JumpForwarder
 from runtime.scheduler.kv_manager import KVManager, pages_for
@@ -188,15 +188,16 @@ class Scheduler:
         if batch is None:
             ended, self._ended = self._ended, []
             return ended
-        outputs = self._run(batch)
+        outputs, _ = self._run(batch)
         if self.args.debug_accounting:
             self.check_accounting()
         return outputs
 
-    def _run(self, batch: ScheduledBatch, isolate: bool = True) -> list[TokenOutput]:
-        """Build and run `batch`, then take its results. Everything here is inside the fault
-        boundary: a fault fails this batch's requests alone, unless it leaves the device unusable.
-        A mixed batch that faults first runs its decodes alone, to tell whose fault it was."""
+    def _run(self, batch: ScheduledBatch, isolate: bool = True) -> tuple[list[TokenOutput], bool]:
+        """Build and run `batch`, then take its results; the outputs, and whether the pass ran.
+        Everything here is inside the fault boundary: a fault fails this batch's requests alone,
+        unless it leaves the device unusable. A mixed batch that faults first runs its decodes
+        alone, to tell whose fault it was."""
         doing = "building the batch"
         try:
             # sampling first, before any page is taken: a fault there has nothing to undo
@@ -217,11 +218,11 @@ class Scheduler:
             log.exception("%s failed on requests %s (error id %s)", doing, [r.rid for r in batch.reqs], error_id)
             message = f"internal error while {doing} (error id {error_id})"
             if isolate and batch.prefilling and len(batch.prefilling) < len(batch.reqs):
-                return self._isolate(batch, message)
-            return self._fail(batch, batch.reqs, message)
+                return self._isolate(batch, message), False
+            return self._fail(batch, batch.reqs, message), False
         self.forward_passes += 1
         self.request_passes += len(batch.reqs)
-        return self._process(batch, result)
+        return self._process(batch, result), True
 
     def _isolate(self, b: ScheduledBatch, message: str) -> list[TokenOutput]:
         """A mixed batch raised. Its decodes run again alone: if they pass, the fault was the
@@ -233,8 +234,8 @@ class Scheduler:
         if self.chunked in prefill:
             self.chunked = None
         retry = make_batch(self.running, [], [])
-        outputs = self._run(retry, isolate=False)
-        if any(o.finish_reason and o.finish_reason.get("status") == 500 for o in outputs):  # the decodes' fault
+        outputs, ran = self._run(retry, isolate=False)
+        if not ran:  # the decodes' fault
             for req in prefill:
                 self.kv.release(req)
             self.waiting[:0] = prefill
@@ -292,9 +293,16 @@ class Scheduler:
         """The running requests' tokens first, then prefill in what is left of the step's budget."""
         if self.running:
             self._make_room()
-        budget = step_budget(self.args, sum(r.extend_len for r in self.running),
-                             self.kv.available_pages - reserved_pages(self.kv, self.running, self.chunked,
-                                                                      self.new_token_ratio))
+        admitted = self._admit() if self.waiting or self.chunked else Admitted()
+        if not self.running and not admitted.reqs:
+            return None
+        if self.running:
+            self.new_token_ratio = max(self.args.min_new_token_ratio,
+                                       self.new_token_ratio - self.args.new_token_ratio_decay)
+        return make_batch(self.running, admitted.reqs, admitted.lens)
+
+    def _admit(self) -> Admitted:
+        budget = step_budget(self.args, self.kv, self.running, self.chunked, self.new_token_ratio)
         admitted = admit(self.args, self.kv, self.waiting, self.running, self.chunked, self.new_token_ratio, budget)
         self.chunked = admitted.chunked
         for req in admitted.oversized:
@@ -303,12 +311,7 @@ class Scheduler:
             log.warning("request %s needs KV for %d tokens, more than the pool holds; it ends there",
                         req.rid, req.seq_len)
             self._ended.append(self._end(req, Finish(FinishKind.LENGTH, len(req.output_ids))))
-        if not self.running and not admitted.reqs:
-            return None
-        if self.running:
-            self.new_token_ratio = max(self.args.min_new_token_ratio,
-                                       self.new_token_ratio - self.args.new_token_ratio_decay)
-        return make_batch(self.running, admitted.reqs, admitted.lens)
+        return admitted
 
     def _make_room(self) -> None:
         r = make_room(self.kv, self.running, self.chunked)
@@ -339,6 +342,7 @@ class Scheduler:
         for req in b.reqs:
             if req is self.chunked:
                 continue
+            prefill = b.is_prefill(req)
             finish = faulted.get(req.rid)
             if finish is None:
                 try:
@@ -350,11 +354,11 @@ class Scheduler:
                 except Exception:  # noqa: BLE001 - as above
                     finish = self._internal_error(req, "checking its stop conditions or jumping forward")
             if finish is not None:
-                if not b.is_prefill(req):
+                if not prefill:
                     self.running.remove(req)
                 outputs.append(self._end(req, finish))
             else:
-                if b.is_prefill(req):
+                if prefill:
                     self.running.append(req)
                 outputs.append(self._output(req))
         return outputs
