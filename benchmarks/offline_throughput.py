@@ -229,7 +229,8 @@ def main() -> None:
     workloads = [random_workload(pool, cfg), shared_prefix_workload(pool, cfg)]
     # Room for every request at once, so our runs measure batching, not retraction under a small pool.
     kv_tokens = max(w.total_tokens for w in workloads) + 1024
-    ours = LocalEngine(path, tokenizer=tokenizer, max_total_tokens=kv_tokens)
+    # fp32 weights, as HF's: the outputs-identical count compares the same arithmetic
+    ours = LocalEngine(path, tokenizer=tokenizer, max_total_tokens=kv_tokens, quantization="none")
     hf = load_hf(path)
     warm_up(ours, hf, tokenizer.eos_token_id)
 
@@ -267,7 +268,8 @@ def run_all(ours: LocalEngine, hf: Any, workloads: list[Workload], cfg: Config) 
 def run_without_cache(ours: LocalEngine, w: Workload) -> Row:
     """Our engine with the radix cache off (same weights): every request prefills its whole prompt."""
     engine = LocalEngine(ours.args.model_path, model=ours.worker.model, tokenizer=ours.tokenizer,
-                    max_total_tokens=ours.args.max_total_tokens, disable_radix_cache=True)
+                    max_total_tokens=ours.args.max_total_tokens, disable_radix_cache=True,
+                    quantization=ours.args.quantization)
     row, _ = run_ours(engine, w, "radixlm no-cache")
     del engine
     gc.collect()  # free its KV pool before anything else allocates

@@ -92,7 +92,9 @@ RADIXLM_SYSTEMS = {
 OPTIONAL = {"radixlm no-jump-forward"}  # runs only the workloads that name it
 ALL_SYSTEMS = [*RADIXLM_SYSTEMS, "hf-static", "llama.cpp"]
 ONLINE = "online"  # the --only name of the online section
-ONLINE_SYSTEMS = ["radixlm", "llama.cpp"]
+# radixlm as served (its defaults: a GGUF's own quantization) and with fp32 weights, then the peer
+ONLINE_SYSTEMS = ["radixlm", "radixlm fp32", "llama.cpp"]
+ONLINE_FP32 = ("--quantization", "none")
 
 
 # ---- what a run records ---------------------------------------------------------------------------
@@ -536,13 +538,19 @@ def run_online(system: str, url: str, workloads: list[OnlineWorkload]) -> list[O
 
 def online_section(workloads: list[OnlineWorkload], systems: list[str], gguf: str, llama_binary: str | None,
                    notes: list[str], commands: dict[str, str]) -> list[OnlineResult]:
-    """radixlm's server, then llama-server (its defaults, one slot per stream), each alone on the machine."""
+    """radixlm's server (its defaults, then fp32 weights), then llama-server (its defaults, one slot per
+    stream), each alone on the machine."""
     results: list[OnlineResult] = []
     port = free_port()
     radixlm = [sys.executable, "-m", "runtime.cli", "serve", "--port", str(port)]
     commands["radixlm"] = shlex.join(radixlm)
     with serving("radixlm", radixlm, port) as url:
         results += run_online("radixlm", url, workloads)
+    port = free_port()
+    fp32 = [sys.executable, "-m", "runtime.cli", "serve", "--port", str(port), *ONLINE_FP32]
+    commands["radixlm fp32"] = shlex.join(fp32)
+    with serving("radixlm fp32", fp32, port) as url:
+        results += run_online("radixlm fp32", url, workloads)
     if "llama.cpp" in systems and llama_binary:
         port = free_port()
         llama = llama_server_command(llama_binary, gguf, port, max(w.concurrency for w in workloads), 2048)
@@ -681,6 +689,12 @@ def targets(by: dict[tuple[str, str], Result], online: dict[tuple[str, str], Onl
     check("online no sharing, 32 streams, TPOT p50 vs llama.cpp's", ours, theirs, "{:.1f} ms", higher=False)
     check("online shared prompts, 16 streams, request/s vs llama.cpp",
           online_ratio(online, "shared-prompts", "request_throughput"), 5.0, "{:.2f}x")
+    check("online one stream, output tok/s vs llama.cpp", online_ratio(online, "one-stream", "output_tok_s"),
+          1.2, "{:.2f}x")
+    served, fp32 = online.get(("no-sharing", "radixlm")), online.get(("no-sharing", "radixlm fp32"))
+    check("online no sharing, 32 streams, output tok/s as served vs fp32 weights",
+          served.summary["output_tok_s"] / fp32.summary["output_tok_s"] if served and fp32 and served.valid and fp32.valid
+          else None, 1.0, "{:.2f}x")
     return out
 
 

@@ -26,6 +26,7 @@ from benchmarks.machine import best_of, measure  # noqa: E402
 from runtime.local_engine import LocalEngine  # noqa: E402
 from runtime.messages import TokenizedRequest  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
+from runtime.worker import quant  # noqa: E402
 
 CONTEXT = 128
 
@@ -35,7 +36,7 @@ class Bench:
         self.engine = engine
         self.sched = engine.scheduler
         cfg = engine.worker.config
-        self.params = sum(p.numel() for p in engine.worker.model.parameters())
+        self.params = quant.parameter_count(engine.worker.model)
         self.attn_per_key = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
         self.rng = random.Random(0)
         self.n = 0
@@ -105,7 +106,7 @@ def deterministic_rows(engine: LocalEngine, decoders: int, prefill: int, tries: 
     rows = []
     for name, deterministic in (("default", False), ("--deterministic", True)):
         e = LocalEngine(model=engine.worker.model, skip_tokenizer_init=True, max_total_tokens=40000,
-                        deterministic=deterministic)
+                        deterministic=deterministic, quantization=engine.args.quantization)
         b = Bench(e)
         rids = b.decoding(decoders)
         b.step_time(2)
@@ -123,7 +124,8 @@ def radix_overhead_rows(engine: LocalEngine, requests: int, rounds: int) -> list
     on engines over one copy of the weights, radix cache on and off, alternated `rounds` times:
     what the cache costs when nothing is shared."""
     on, off = (LocalEngine(model=engine.worker.model, skip_tokenizer_init=True, max_total_tokens=40000,
-                           disable_radix_cache=disable) for disable in (False, True))
+                           disable_radix_cache=disable, quantization=engine.args.quantization)
+               for disable in (False, True))
     rng = random.Random(1)
     times: dict[str, list[float]] = {"on": [], "off": []}
     params = {"max_new_tokens": 64, "ignore_eos": True, "temperature": 0}
@@ -143,10 +145,12 @@ def radix_overhead_rows(engine: LocalEngine, requests: int, rounds: int) -> list
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quantization", default="none", help="the weights (default none: fp32, which the rate column is of)")
     args = ap.parse_args()
     machine = measure(args.quick)
     print("\n".join(machine.lines()))
-    engine = LocalEngine(max_total_tokens=40000, chunked_prefill_size=4096, max_prefill_tokens=4096)
+    engine = LocalEngine(max_total_tokens=40000, chunked_prefill_size=4096, max_prefill_tokens=4096,
+                         quantization=args.quantization)
     b = Bench(engine)
     tries = 2 if args.quick else 5
     print("\nDecode steps (128-token contexts):\n")

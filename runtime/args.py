@@ -9,6 +9,8 @@ from typing import Any
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof")
 ATTENTION_BACKENDS = ("torch", "triton")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+QUANT_GROUP_SIZES = (32, 64, 128, 256)
 
 
 @dataclass
@@ -19,6 +21,12 @@ class ServerArgs:
     load_format: str = field(default="auto", metadata={
         "help": "auto (the checkpoint's weights) or dummy (random weights of the config's shape, for benchmarks)"})
     dtype: str = field(default="auto", metadata={"help": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16"})
+    quantization: str = field(default="auto", metadata={
+        "help": "weights served as: auto (a GGUF file's own Q4_0/Q4_1 codes as int4 and Q8_0 as int8, where those "
+                "kernels beat fp32 on this CPU; dense checkpoints stay dense), none (dequantized to --dtype), "
+                "int8 (per output row) or int4 (in groups, see --quantization-group-size); CPU only"})
+    quantization_group_size: int = field(default=32, metadata={
+        "help": "columns per int4 scale and zero point for --quantization int4 (32, 64, 128 or 256)"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
     context_length: int | None = field(default=None, metadata={"help": "cap the model's context length"})
     page_size: int = field(default=0, metadata={"help": "tokens per KV page (0: 1 on CPU, 16 on CUDA)"})
@@ -65,6 +73,11 @@ class ServerArgs:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.attention_backend not in ATTENTION_BACKENDS + ("auto",):
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization_group_size not in QUANT_GROUP_SIZES:
+            raise ValueError(f"quantization_group_size must be one of {QUANT_GROUP_SIZES}, "
+                             f"got {self.quantization_group_size}")
         if self.linear_kernel not in ("auto", "torch", "onednn"):
             raise ValueError(f"linear_kernel must be auto, torch or onednn, got {self.linear_kernel!r}")
         if self.page_size < 0:

@@ -120,7 +120,8 @@ class Smol:
         from runtime.local_engine import LocalEngine
 
         self.path = smollm2_path()
-        self.engine = LocalEngine(self.path, tokenizer=tokenizer, max_total_tokens=16384)
+        # dequantized fp32: the weights HF runs, so greedy tokens and logprobs compare with it
+        self.engine = LocalEngine(self.path, tokenizer=tokenizer, max_total_tokens=16384, quantization="none")
         tok = self.engine.tokenizer
         self.prompts = [tok.encode(self.engine.apply_chat_template([{"role": "user", "content": q}]),
                                    add_special_tokens=False) for q in SMOL_QUESTIONS]
@@ -131,6 +132,7 @@ class Smol:
         from runtime.local_engine import LocalEngine
 
         kwargs.setdefault("max_total_tokens", 16384)
+        kwargs.setdefault("quantization", "none")
         return LocalEngine(self.path, model=self.engine.worker.model, tokenizer=self.engine.tokenizer, **kwargs)
 
 

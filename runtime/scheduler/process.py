@@ -96,6 +96,7 @@ class SchedulerProcess:
                 "cached_tokens": (s.kv.cache.evictable_pages + s.kv.cache.locked_pages) * s.kv.page_size,
                 "num_retractions": s.num_retractions,
                 "context_length": s.context_length,
+                **s.worker.weights_info(),
             }
         if op == "check_accounting":
             try:

@@ -24,6 +24,8 @@ from typing import Iterator, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from runtime.worker.quant import Plan, QuantizedMatrix
+
 log = logging.getLogger(__name__)
 
 KERNELS = ("torch", "onednn")
@@ -31,8 +33,9 @@ INVARIANT_ROWS = 16
 
 
 class LinearMode(NamedTuple):
-    kernel: str = "torch"
+    kernel: str = "torch"  # dense weights' kernel
     invariant: bool = False
+    plan: Plan = Plan()  # quantized weights': codes or their dense copy, by batch size
 
 
 _mode: ContextVar[LinearMode] = ContextVar("linear_mode", default=LinearMode())
@@ -72,10 +75,17 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
 _RUN = {"torch": F.linear, "onednn": _onednn}
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b for x [rows, in], with the current mode's kernel."""
     mode = _mode.get()
-    run = _RUN[mode.kernel]
+    if isinstance(weight, QuantizedMatrix):
+        if not mode.invariant:
+            return weight.matmul(x, bias, mode.plan)
+
+        def run(x: torch.Tensor, w: QuantizedMatrix, b: torch.Tensor | None) -> torch.Tensor:
+            return w.matmul(x, b, mode.plan)
+    else:
+        run = _RUN[mode.kernel]
     if not mode.invariant:
         return run(x, weight, bias)
     rows = x.shape[0]

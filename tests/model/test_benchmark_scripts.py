@@ -51,6 +51,36 @@ def test_quant_kernels_quick():
         assert float(error) < (5e-2 if "bf16" in name else 1e-4), (name, error)
 
 
+def test_quality_quick(tmp_path):
+    out_json = tmp_path / "quality.json"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "quality.py"), "--quick", "--json",
+                           str(out_json)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"^CPU: .+, \d+ cores", done.stdout, re.M) and "| precision | kernel |" in done.stdout
+    saved = json.loads(out_json.read_text())
+    assert saved["tokens"] >= 384 and 1 < saved["hf_perplexity"] < 100
+    rows = {(r["precision"], r["kernel"]): r for r in saved["rows"]}
+    fp32 = rows[("fp32 (--quantization none)", "dense")]
+    assert fp32["agreement"] == 1.0 and fp32["mean_abs_dlogprob"] < 1e-3  # the same weights and arithmetic as HF
+    served = [r for (name, _), r in rows.items() if name.startswith("auto")]
+    assert {r["kernel"] for r in served} == {"codes", "dense copy"}
+    assert all(r["agreement"] > 0.97 and "Q4_1 codes" in r["served"] for r in served), served
+
+
+def test_one_stream_quick():
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "one_stream.py"), "--quick"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {r[0]: r for r in (line.strip("| ").split(" | ") for line in done.stdout.splitlines())
+            if r[0] in ("none", "auto")}
+    assert rows["none"][1] == "none" and rows["auto"][1] == "int4", rows
+    for r in rows.values():
+        step, gemm, attention, rest, mb, floor = (float(r[i]) for i in (2, 4, 5, 6, 7, 8))
+        assert 0 < gemm < step and 0 < attention < step and abs(gemm + attention + rest - step) < 0.5 * step, r
+        assert floor > 0 and mb > 50
+    assert float(rows["auto"][7]) < 0.3 * float(rows["none"][7])  # the codes: a fifth of fp32's bytes
+
+
 def test_run_all_quick(tmp_path):
     """Every workload on the systems that make the ratios (llama.cpp needs a binary built by hand;
     `radixlm fcfs` differs only in an option, and the scheduler's property tests run every policy)."""

@@ -34,7 +34,8 @@ def test_run_all_online_quick(tmp_path):
     assert saved["results"] == [] and not list(tmp_path.glob("*.png"))  # the offline section did not run
     llama = saved["meta"]["llama_cpp_version"] is not None  # a binary was found, so its rows must be there
     by = {(r["workload"], r["system"]): r for r in saved["online"]}
-    assert set(by) == {(w, s) for w in WORKLOADS for s in ("radixlm", *(["llama.cpp"] if llama else []))}, set(by)
+    assert set(by) == {(w, s) for w in WORKLOADS
+                       for s in ("radixlm", "radixlm fp32", *(["llama.cpp"] if llama else []))}, set(by)
     for (w, s), r in by.items():
         summary = r["summary"]
         assert r["note"] == "" and summary["failed"] == 0, (w, s, r["note"])
@@ -49,6 +50,10 @@ def test_run_all_online_quick(tmp_path):
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith(tuple(f"| {w} |" for w in WORKLOADS))]
     assert sorted((row[0][2:], row[2]) for row in rows) == sorted(by), rows  # one table row per result
     assert "- online no sharing, 32 streams, output tok/s vs llama.cpp: " in text
+    fp32_command = next(line for line in text.splitlines() if line.startswith("- radixlm fp32: `"))
+    assert "--quantization none" in fp32_command  # the same server with fp32 weights, beside the default's
+    assert "- online no sharing, 32 streams, output tok/s as served vs fp32 weights: " in text
+    assert "not measured" not in text.split("as served vs fp32 weights: ")[1].splitlines()[0]
     if llama:
         assert "- llama.cpp: `" in text and "--no-repack" not in text  # its defaults, as released
         assert "online no sharing, 32 streams, output tok/s vs llama.cpp: not measured" not in text

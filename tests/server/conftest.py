@@ -37,6 +37,8 @@ class LiveServer:
         """`launcher`: what python runs, given the `serve ...` arguments (a test double can stand in)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        if "--quantization" not in extra:  # the weights HF runs, so outputs compare with it
+            extra = ("--quantization", "none", *extra)
         cmd = [sys.executable, *launcher, "serve", "--port", str(self.port), "--max-total-tokens", "30000", *extra]
         self.log_path = f"/tmp/radixlm-test-server-{self.port}.log"
         self.log = open(self.log_path, "w")

@@ -14,7 +14,7 @@ from runtime.native import BadRequest
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = Engine(max_total_tokens=20000)
+    eng = Engine(max_total_tokens=20000, quantization="none")
     yield eng
     eng.shutdown()
 

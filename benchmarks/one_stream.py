@@ -1,0 +1,131 @@
+"""Decode at batch 1 and 32 per served precision: ms per step, where a batch-1 token's time goes
+(GEMM / attention / the rest), and how far it sits from the bandwidth floor of the bytes it reads.
+
+Steps are timed on the scheduler (`Scheduler.step`: model, sampling, bookkeeping), the median
+of many, with 128-token prompts on the embedded SmolLM2 GGUF. The split times every matmul
+call (`layers.linear`: casts, the kernel, the LM head included) and every attention call
+(KV store included) with wall clocks; "rest" is the step minus both (norms, rotary, residuals,
+embedding, sampling, the scheduler). The bytes a batch-1 token reads are the weights its
+kernels read (the codes, not the dense copies larger batches use) plus its KV.
+
+    python benchmarks/one_stream.py            # about a minute
+    python benchmarks/one_stream.py --quick    # fewer steps (CI: the script works)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.machine import measure  # noqa: E402
+from benchmarks.step_cost import CONTEXT, Bench  # noqa: E402
+from runtime.cache.kv_pool import KVPool  # noqa: E402
+from runtime.local_engine import LocalEngine  # noqa: E402
+from runtime.worker import layers, quant  # noqa: E402
+
+PRECISIONS = ("none", "auto")
+
+
+class Clock:
+    """Wall time spent inside wrapped callables, by name."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+
+    def wrap(self, name: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[name] = self.spent.get(name, 0.0) + time.perf_counter() - start
+        return timed
+
+
+def median_step(b: Bench, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        b.sched.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def batch1_bytes(engine: LocalEngine) -> int:
+    """What one batch-1 decode token reads: the weights on its kernels and its KV."""
+    model, cfg = engine.worker.model, engine.worker.config
+    dense = sum(p.numel() * p.element_size() for p in model.parameters()
+                if p is not getattr(model.embed_tokens, "weight", None))  # the table: one row looked up
+    seen = {id(m.weight): m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), quant.QuantizedMatrix)}
+    table = model.lm_head.weight
+    if not isinstance(table, quant.QuantizedMatrix):
+        dense += table.numel() * table.element_size()  # the LM head reads all of it
+    codes = sum(q.code_bytes for q in seen.values())
+    if isinstance(table, quant.GroupInt8Matrix):
+        codes -= table.codes.numel() + table.scale.numel() * 4  # the lookup codes: one row per token
+    kv = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, engine.worker.dtype) * (CONTEXT + 8)
+    return dense + codes + kv
+
+
+def run(precision: str, steps: int, bandwidth: float) -> dict[str, Any]:
+    engine = LocalEngine(max_total_tokens=20000, skip_tokenizer_init=True, quantization=precision)
+    b = Bench(engine)
+    rids = b.decoding(1)
+    median_step(b, 10)  # warm
+    step1 = median_step(b, steps)
+    clock = Clock()
+    worker = engine.worker
+    real_linear, real_attn = layers.linear, worker.attn_backend.forward
+    layers.linear = clock.wrap("gemm", real_linear)
+    worker.attn_backend.forward = clock.wrap("attention", real_attn)
+    start = time.perf_counter()
+    for _ in range(steps):
+        b.sched.step()
+    timed = time.perf_counter() - start
+    layers.linear, worker.attn_backend.forward = real_linear, real_attn
+    b.drop(rids)
+    split = {k: v / steps for k, v in clock.spent.items()}
+    split["rest"] = timed / steps - sum(split.values())
+    rids = b.decoding(32)
+    median_step(b, 3)
+    step32 = median_step(b, max(5, steps // 5))
+    b.drop(rids)
+    nbytes = batch1_bytes(engine)
+    out = dict(precision=precision, served=worker.quantization.method, step1=step1, step32=step32, split=split,
+               bytes=nbytes, floor=nbytes / bandwidth, formats=worker.quantization.formats)
+    engine.shutdown()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    machine = measure(args.quick)
+    print("\n".join(machine.lines()))
+    steps = 20 if args.quick else 200
+    rows = [run(p, steps, machine.bandwidth) for p in PRECISIONS]
+    print(f"\nDecode on SmolLM2-135M ({CONTEXT}-token prompts), median step:\n")
+    print("| --quantization | served | batch 1 ms | tok/s | GEMM ms | attention ms | rest ms | MB read per token "
+          "| floor ms | vs floor | batch 32 ms | tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        s = r["split"]
+        print(f"| {r['precision']} | {r['served']} | {r['step1'] * 1e3:.2f} | {1 / r['step1']:.0f} | "
+              f"{s.get('gemm', 0) * 1e3:.2f} | {s.get('attention', 0) * 1e3:.2f} | {s['rest'] * 1e3:.2f} | "
+              f"{r['bytes'] / 1e6:.1f} | {r['floor'] * 1e3:.2f} | {r['step1'] / r['floor']:.1f}x | "
+              f"{r['step32'] * 1e3:.1f} | {32 / r['step32']:.0f} |")
+    base = rows[0]
+    for r in rows[1:]:
+        print(f"\n{r['precision']} against none: batch 1 {base['step1'] / r['step1']:.2f}x, "
+              f"batch 32 {base['step32'] / r['step32']:.2f}x faster; weights: "
+              + "; ".join(f"{k}: {v}" for k, v in r["formats"].items()))
+
+
+if __name__ == "__main__":
+    main()
