@@ -22,7 +22,7 @@ class ServerArgs:
         "help": "auto (the checkpoint's weights) or dummy (random weights of the config's shape, for benchmarks)"})
     dtype: str = field(default="auto", metadata={"help": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16"})
     quantization: str = field(default="auto", metadata={
-        "help": "weights served as: auto (a GGUF file's own Q4_0/Q4_1 codes as int4 and Q8_0 as int8, where those "
+        "help": "weights served as: auto (a GGUF file's own Q4_0/Q4_1/Q4_K codes as int4 and Q8_0 as int8, where those "
                 "kernels beat fp32 on this CPU; dense checkpoints stay dense), none (dequantized to --dtype), "
                 "int8 (per output row) or int4 (in groups, see --quantization-group-size); CPU only"})
     quantization_group_size: int = field(default=32, metadata={

@@ -225,23 +225,23 @@ class GGUFTensor:
             return None
         layout = _BLOCK_LAYOUTS[self.format]
         codes = self._read(rows, cols, lambda data: layout.codes(data))
-        scale, zero = (self._read(rows, slice(c0 // self._block * self._block, c1), lambda data: part,
-                                  per_block=True) for part in layout.scale_zero(self._t.data))
+        scale, zero = (self._read(rows, cols, lambda data: part, per_group=GROUP)
+                       for part in layout.scale_zero(self._t.data))
         return Blocks(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(np.ascontiguousarray(scale)),
-                      torch.from_numpy(np.ascontiguousarray(zero)), layout.bits, self._block)
+                      torch.from_numpy(np.ascontiguousarray(zero)), layout.bits, GROUP)
 
-    def _read(self, rows: slice, cols: slice, decode: Any, per_block: bool = False) -> np.ndarray:
+    def _read(self, rows: slice, cols: slice, decode: Any, per_group: int = 0) -> np.ndarray:
         """Rows `rows`, columns `cols` of what `decode` makes of the quant blocks that cover them
-        (whole heads when q/k rows are permuted, then trimmed). `per_block`: `decode` ignores
-        its input and `cols` index blocks' values already laid out one per block."""
+        (whole heads when q/k rows are permuted, then trimmed). `per_group`: `decode` ignores its
+        input and returns values laid out one per `per_group` columns, of the whole tensor."""
         r0, r1, _ = rows.indices(self.shape[0])
         h = self._head_rows
         a, b = r0 // h * h, -(-r1 // h) * h
         c0, c1, _ = cols.indices(self.shape[1])
         q = self._block
         first, last = c0 // q, -(-c1 // q)
-        if per_block:
-            w = decode(None)[a:b, first:last]
+        if per_group:
+            w = decode(None)[a:b, c0 // per_group : -(-c1 // per_group)]
         else:
             data = self._t.data[a:b]
             per = data.shape[1] // (self.shape[1] // q)  # bytes (elements when unquantized) per block
@@ -252,13 +252,15 @@ class GGUFTensor:
         return w[r0 - a : r1 - a]
 
 
+GROUP = 32  # columns per scale and zero point in every format below (a K-quant's sub-block)
+
+
 class _BlockLayout(NamedTuple):
     """Where a GGUF block format keeps its codes, scale and zero point (w = scale * code + zero)."""
 
     bits: int
-    size: int  # bytes per block of 32
-    codes: Any  # [rows, blocks * size] bytes -> [rows, blocks * 32] codes
-    scale_zero: Any  # the tensor's whole data -> ([rows, blocks] scale, [rows, blocks] zero), fp32
+    codes: Any  # [rows, blocks * bytes per block] -> [rows, columns] codes
+    scale_zero: Any  # the tensor's whole data -> ([rows, columns / GROUP] scale, same zero), fp32
 
 
 def _fp16_at(data: np.ndarray, size: int, at: int) -> np.ndarray:
@@ -274,15 +276,38 @@ def _nibbles(data: np.ndarray, size: int, at: int) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, -1)
 
 
+def _q4_k_codes(data: np.ndarray) -> np.ndarray:
+    """Q4_K's 4-bit codes: each 256-column block keeps 128 bytes of them after its 16 bytes of
+    scales; byte i of its 32-byte chunk c holds column 64c + i (low nibble) and 64c + 32 + i (high)."""
+    rows = data.shape[0]
+    qs = data.reshape(rows, -1, 144)[:, :, 16:].reshape(rows, -1, 4, 1, 32)
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(rows, -1)
+
+
+def _q4_k_scale_zero(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's eight sub-blocks of 32 per block: scale d * sc, zero -dmin * m, with sc and m the
+    6-bit values gguf's own Q4_K.get_scale_min unpacks."""
+    from gguf.quants import Q4_K
+
+    rows = data.shape[0]
+    blocks = data.reshape(-1, 144)
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+    d = np.ascontiguousarray(blocks[:, 0:2]).view(np.float16).astype(np.float32)
+    dmin = np.ascontiguousarray(blocks[:, 2:4]).view(np.float16).astype(np.float32)
+    return (d * sc).reshape(rows, -1), (-dmin * m).reshape(rows, -1)
+
+
 _BLOCK_LAYOUTS = {
     # Q4_0: d (fp16), 16 bytes of nibbles; w = d * (q - 8)
-    "Q4_0": _BlockLayout(4, 18, lambda data: _nibbles(data, 18, 2),
+    "Q4_0": _BlockLayout(4, lambda data: _nibbles(data, 18, 2),
                          lambda data: (_fp16_at(data, 18, 0), -8 * _fp16_at(data, 18, 0))),
     # Q4_1: d, m (fp16), 16 bytes of nibbles; w = d * q + m
-    "Q4_1": _BlockLayout(4, 20, lambda data: _nibbles(data, 20, 4),
+    "Q4_1": _BlockLayout(4, lambda data: _nibbles(data, 20, 4),
                          lambda data: (_fp16_at(data, 20, 0), _fp16_at(data, 20, 2))),
+    # Q4_K: 256 columns a block, d and dmin (fp16), 12 bytes of 6-bit scales and mins, 128 of nibbles
+    "Q4_K": _BlockLayout(4, _q4_k_codes, _q4_k_scale_zero),
     # Q8_0: d (fp16), 32 int8 codes; w = d * q
-    "Q8_0": _BlockLayout(8, 34, lambda data: data.reshape(data.shape[0], -1, 34)[:, :, 2:].view(np.int8)
+    "Q8_0": _BlockLayout(8, lambda data: data.reshape(data.shape[0], -1, 34)[:, :, 2:].view(np.int8)
                          .reshape(data.shape[0], -1),
                          lambda data: (_fp16_at(data, 34, 0), np.zeros_like(_fp16_at(data, 34, 0)))),
 }

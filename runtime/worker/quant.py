@@ -11,12 +11,13 @@ they read SmolLM2's weights at batch 1 in 3.3 and 5.2 ms against fp32's 10.1, bu
 activations they ran 10-100x slower (benchmarks/quant_kernels.py), so activations are cast to
 bf16 at each quantized matmul and the result back to fp32; norms, attention and sampling stay fp32.
 
-A GGUF block format that is a group-32 scale and zero point serves its own codes: Q4_1
-(w = d * q + m) is int4 with scale d and zero m + 8d, Q4_0 (w = d * (q - 8)) int4 with scale d and
-zero 0; only the scales are rounded (fp16 -> bf16, as the kernel wants them in the activations'
-dtype). Q8_0 (one scale per 32 codes) has no int8 kernel with per-group scales, so its codes
-are split into two 4-bit halves for the int4 kernel (GroupInt8Matrix): exact too, scales
-aside. Everything else (fp checkpoints, other GGUF types) is quantized here from its
+A GGUF block format that is a group-32 scale and zero point serves its own codes (loader.py
+reads them): Q4_1 (w = d * q + m) is int4 with scale d and zero m + 8d, Q4_0 (w = d * (q - 8))
+int4 with scale d and zero 0, Q4_K (w = d * sc * q - dmin * m per sub-block of 32) int4 with
+scale d * sc; only the scales and zero points are rounded (to bf16, as the kernel wants them in
+the activations' dtype). Q8_0 (one scale per 32 codes) has no int8 kernel with per-group
+scales, so its codes are split into two 4-bit halves for the int4 kernel (GroupInt8Matrix):
+exact too, scales aside. Everything else (fp checkpoints, other GGUF types) is quantized here from its
 dequantized values: int4 by each group's min and max (Q4_1's own rule), int8 per output row.
 
 The int4 kernel unpacks codes for every activation row, so from some batch size on a dense
@@ -45,7 +46,7 @@ from runtime.args import QUANT_GROUP_SIZES as GROUP_SIZES, QUANTIZATIONS as METH
 log = logging.getLogger(__name__)
 
 ACT = torch.bfloat16  # the activations' dtype on the quantized path (the kernels' fast one)
-# the overloads themselves: a few microseconds less per call than resolving the packet, ~120 calls a token
+# the ops' overloads, resolved once (about 120 calls a token)
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 _INT8_MM = torch.ops.aten._weight_int8pack_mm.default
 
@@ -280,8 +281,8 @@ def _best(fn, tries: int = 3) -> float:
 
 # ---- a whole model --------------------------------------------------------------------------------
 
-INT4_FORMATS = ("Q4_0", "Q4_1")  # GGUF formats whose codes int4 serves as they are
-TABLE_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # a quantized table in the file: int8 under auto
+INT4_FORMATS = ("Q4_0", "Q4_1", "Q4_K")  # GGUF formats whose codes int4 serves as they are
+TABLE_FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")  # a quantized table in the file: 8-bit under auto
 
 
 @dataclass

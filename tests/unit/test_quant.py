@@ -23,6 +23,11 @@ def _gguf_tensors(tmp_path, kinds: tuple[str, ...], rows: int = 32, cols: int = 
     writer = gguf.GGUFWriter(path, "llama")
     for kind in kinds:
         qtype = gguf.GGMLQuantizationType[kind]
+        if kind == "Q4_K":  # gguf cannot quantize to it: random blocks, with sane fp16 d and dmin
+            raw = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+            raw[:, :, 0:4] = (rng.random((rows, cols // 256, 2)) * 0.01).astype(np.float16).view(np.uint8)
+            writer.add_tensor(kind.lower(), raw.reshape(rows, -1), raw_dtype=qtype)
+            continue
         data = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
         writer.add_tensor(kind.lower(), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
@@ -34,16 +39,19 @@ def _gguf_tensors(tmp_path, kinds: tuple[str, ...], rows: int = 32, cols: int = 
             for t in reader.tensors}
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
 def test_gguf_blocks_are_the_files_own_values(tmp_path, kind):
-    raw, dense = _gguf_tensors(tmp_path, (kind,))[kind]
+    cols = 512 if kind == "Q4_K" else 128  # a K-quant block spans 256 columns
+    raw, dense = _gguf_tensors(tmp_path, (kind,), cols=cols)[kind]
     t = GGUFTensor(raw)
     assert t.has_blocks and t.format == kind
     whole = t.blocks(slice(None), slice(None))
     assert whole.bits == (8 if kind == "Q8_0" else 4) and whole.group == 32
+    assert whole.codes.min() >= (-128 if kind == "Q8_0" else 0) and whole.codes.max() <= (127 if kind == "Q8_0" else 15)
     assert torch.equal(whole.dequantize(), torch.from_numpy(dense))  # bit for bit gguf's own dequantization
-    part = t.blocks(slice(5, 17), slice(32, 96))  # a tensor-parallel rank's rows and columns
-    assert torch.equal(part.dequantize(), torch.from_numpy(dense[5:17, 32:96]))
+    edge = 256 if kind == "Q4_K" else 32
+    part = t.blocks(slice(5, 17), slice(edge, 2 * edge))  # a tensor-parallel rank's rows and columns
+    assert torch.equal(part.dequantize(), torch.from_numpy(dense[5:17, edge : 2 * edge]))
     assert t.blocks(slice(None), slice(16, 64)) is None  # columns off the block edges: no codes
 
 

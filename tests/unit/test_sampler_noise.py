@@ -3,7 +3,6 @@ SplitMix64 and its published outputs, then for the uniformity a broken mix would
 
 from __future__ import annotations
 
-import math
 import random
 from typing import Callable
 
