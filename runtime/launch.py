@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
 import shutil
 import socket
+import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from runtime import ipc
 from runtime.args import ServerArgs
@@ -68,9 +70,10 @@ def launch_processes(args: ServerArgs, start_timeout: float = 600.0) -> RuntimeP
         targets["tokenizer"] = (run_tokenizer_process, (args, client, to_sched, from_sched, pipes["tokenizer"][1]))
         targets["scheduler"] = (run_scheduler_process, (args, to_sched, from_sched, pipes["scheduler"][1]))
     procs = {}
-    for name, (target, target_args) in targets.items():
-        procs[name] = ctx.Process(target=target, args=target_args, name=f"radixlm-{name}", daemon=True)
-        procs[name].start()
+    with _children_skip_main():
+        for name, (target, target_args) in targets.items():
+            procs[name] = ctx.Process(target=target, args=target_args, name=f"radixlm-{name}", daemon=True)
+            procs[name].start()
     group = RuntimeProcesses(client, ipc_dir, procs)
     try:
         for name, (reader, _) in pipes.items():
@@ -81,6 +84,29 @@ def launch_processes(args: ServerArgs, start_timeout: float = 600.0) -> RuntimeP
         raise
     log.info("runtime ready: %s", group.info)
     return group
+
+
+@contextlib.contextmanager
+def _children_skip_main() -> Iterator[None]:
+    """While processes start: a spawned child re-runs the parent's main script (or `-m` module)
+    before its target, so a plain script that makes an Engine at top level, with no
+    `if __name__ == "__main__":`, would start another Engine in every child. Every target here
+    lives in runtime's own modules, so the children are told there is no main to re-run
+    (multiprocessing reads `__spec__` and `__file__` of `__main__` when a process starts). A
+    program that wants its children to run it first (one that patches the runtime as it is
+    imported: the tests' fault injector) says so with `RADIXLM_CHILDREN_RUN_MAIN = True`."""
+    main = sys.modules.get("__main__")
+    if main is None or getattr(main, "RADIXLM_CHILDREN_RUN_MAIN", False):
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if k in main.__dict__}
+    main.__spec__ = None
+    main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
 
 
 def free_port() -> int:

@@ -6,8 +6,9 @@ broken hardware:
 - DEVICE_FAULT_TOKEN: the model raises and the device fails its probe (the scheduler must exit).
 
 The patches are applied at import when this file runs as the program, so the scheduler process,
-which multiprocessing's spawn starts by re-running it (as __mp_main__), gets them too; a plain
-import (tests reading the tokens) patches nothing."""
+which multiprocessing's spawn starts by re-running it (as __mp_main__, asked for below: the
+runtime's launcher otherwise keeps children from re-running the main script), gets them too; a
+plain import (tests reading the tokens) patches nothing."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import sys
 
 from runtime.worker.model_worker import ModelWorker
 from runtime.worker.sampler import SamplingBatch
+
+RADIXLM_CHILDREN_RUN_MAIN = True  # runtime/launch.py: the spawned processes run this file first
 
 FAULT_TOKEN = 4242
 BUILD_FAULT_TOKEN = 4243
