@@ -61,11 +61,10 @@ def batch1_bytes(engine: LocalEngine) -> int:
     model, cfg = engine.worker.model, engine.worker.config
     dense = sum(p.numel() * p.element_size() for p in model.parameters()
                 if p is not getattr(model.embed_tokens, "weight", None))  # the table: one row looked up
-    seen = {id(m.weight): m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), quant.QuantizedMatrix)}
     table = model.lm_head.weight
     if not isinstance(table, quant.QuantizedMatrix):
         dense += table.numel() * table.element_size()  # the LM head reads all of it
-    codes = sum(q.code_bytes for q in seen.values())
+    codes = sum(q.code_bytes for q in quant.served_matrices(model))
     if isinstance(table, quant.GroupInt8Matrix):
         codes -= table.codes.numel() + table.scale.numel() * 4  # the lookup codes: one row per token
     kv = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, engine.worker.dtype) * (CONTEXT + 8)

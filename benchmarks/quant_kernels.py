@@ -29,41 +29,38 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.machine import HIDDEN, INTER, best_of, cpu_info, smollm2_shapes  # noqa: E402
-from runtime.worker import gemm  # noqa: E402
+from runtime.worker import gemm, quant  # noqa: E402
 
 GROUP = 32
 
 
-class Int4:
-    """A [N, K] weight as int4 in groups of GROUP along K: w ~ (q - 8) * scale + zero."""
+class Kernel:
+    """One of the runtime's quantized matrices (runtime/worker/quant.py), run with activations in
+    whatever dtype they come (the runtime always casts them to bf16; fp32 is measured here), and
+    the values it multiplies by, in fp32."""
 
-    def __init__(self, w: torch.Tensor) -> None:
-        n, k = w.shape
-        g = w.view(n, k // GROUP, GROUP)
-        low, high = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-        scale = (high - low).clamp(min=1e-8) / 15
-        q = ((g - low) / scale).round().clamp(0, 15)
-        zero = low + 8 * scale
-        self.dequantized = ((q - 8) * scale + zero).view(n, k)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).view(n, k), 1)
-        self.scales = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], -1).transpose(0, 1).contiguous()
-        self.bytes = n * k // 2 + self.scales.numel() * 2  # the scales as bf16
+    def __init__(self, matrix: quant.QuantizedMatrix, dequantized: torch.Tensor) -> None:
+        self.matrix, self.dequantized, self.bytes = matrix, dequantized, matrix.code_bytes
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales.to(x.dtype))
+        m = self.matrix
+        if isinstance(m, quant.Int4Matrix):
+            return quant._INT4_MM(x, m.packed, m.group, m.scales_zeros.to(x.dtype))
+        return quant._INT8_MM(x, m.codes, m.scale.to(x.dtype))
 
 
-class Int8:
-    """A [N, K] weight as int8 with one scale per output row."""
+def int4(w: torch.Tensor) -> Kernel:
+    """int4 asymmetric in groups of GROUP, as Q4_1 is; the kernel's scale and zero are bf16."""
+    b = quant.Blocks.int4_from(w, GROUP)
+    scale = b.scale.to(torch.bfloat16).float()
+    zero = (b.zero + 8 * b.scale).to(torch.bfloat16).float() - 8 * scale  # the kernel's (code - 8) * s + z
+    return Kernel(quant.Int4Matrix(b), b._replace(scale=scale, zero=zero).dequantize())
 
-    def __init__(self, w: torch.Tensor) -> None:
-        self.scales = w.abs().amax(1).clamp(min=1e-8) / 127
-        self.q = (w / self.scales[:, None]).round().clamp(-127, 127).to(torch.int8)
-        self.dequantized = self.q.float() * self.scales[:, None]
-        self.bytes = self.q.numel() + self.scales.numel() * 2
 
-    def run(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales.to(x.dtype))
+def int8(w: torch.Tensor) -> Kernel:
+    """int8 with one scale per output row."""
+    m = quant.Int8Matrix(w)
+    return Kernel(m, m.source)
 
 
 def main() -> None:
@@ -75,13 +72,13 @@ def main() -> None:
     torch.manual_seed(0)
     layers = 2 if args.quick else 30
     weights = [torch.randn(o, i) * 0.02 for o, i in smollm2_shapes(layers)]
-    int4 = [Int4(w) for w in weights]
-    int8 = [Int8(w) for w in weights]
+    int4s = [int4(w) for w in weights]
+    int8s = [int8(w) for w in weights]
     fp32_bytes = sum(w.numel() * 4 for w in weights)
     model, features = cpu_info()
     print(f"CPU: {model}, {os.cpu_count()} cores, {args.threads} threads, features: {' '.join(features) or '-'}")
     print(f"{len(weights)} matrices ({layers} layers + LM head): fp32 {fp32_bytes / 1e6:.0f} MB, "
-          f"int4 {sum(q.bytes for q in int4) / 1e6:.0f} MB, int8 {sum(q.bytes for q in int8) / 1e6:.0f} MB\n")
+          f"int4 {sum(q.bytes for q in int4s) / 1e6:.0f} MB, int8 {sum(q.bytes for q in int8s) / 1e6:.0f} MB\n")
 
     def fp32(kernel: str) -> Callable[[torch.Tensor, int], torch.Tensor]:
         def run(x: torch.Tensor, i: int) -> torch.Tensor:
@@ -91,14 +88,14 @@ def main() -> None:
 
     paths: dict[str, tuple[Callable[[torch.Tensor, int], torch.Tensor], torch.dtype, int, list[torch.Tensor]]] = {
         "fp32 F.linear": (lambda x, i: F.linear(x, weights[i]), torch.float32, fp32_bytes, weights),
-        "int4 bf16": (lambda x, i: int4[i].run(x), torch.bfloat16, sum(q.bytes for q in int4),
-                      [q.dequantized for q in int4]),
-        "int4 fp32": (lambda x, i: int4[i].run(x), torch.float32, sum(q.bytes for q in int4),
-                      [q.dequantized for q in int4]),
-        "int8 bf16": (lambda x, i: int8[i].run(x), torch.bfloat16, sum(q.bytes for q in int8),
-                      [q.dequantized for q in int8]),
-        "int8 fp32": (lambda x, i: int8[i].run(x), torch.float32, sum(q.bytes for q in int8),
-                      [q.dequantized for q in int8]),
+        "int4 bf16": (lambda x, i: int4s[i].run(x), torch.bfloat16, sum(q.bytes for q in int4s),
+                      [q.dequantized for q in int4s]),
+        "int4 fp32": (lambda x, i: int4s[i].run(x), torch.float32, sum(q.bytes for q in int4s),
+                      [q.dequantized for q in int4s]),
+        "int8 bf16": (lambda x, i: int8s[i].run(x), torch.bfloat16, sum(q.bytes for q in int8s),
+                      [q.dequantized for q in int8s]),
+        "int8 fp32": (lambda x, i: int8s[i].run(x), torch.float32, sum(q.bytes for q in int8s),
+                      [q.dequantized for q in int8s]),
     }
     if "onednn" in gemm.available(torch.device("cpu")):
         paths = {"fp32 oneDNN (today)": (fp32("onednn"), torch.float32, fp32_bytes, weights), **paths}

@@ -541,16 +541,12 @@ def online_section(workloads: list[OnlineWorkload], systems: list[str], gguf: st
     """radixlm's server (its defaults, then fp32 weights), then llama-server (its defaults, one slot per
     stream), each alone on the machine."""
     results: list[OnlineResult] = []
-    port = free_port()
-    radixlm = [sys.executable, "-m", "runtime.cli", "serve", "--port", str(port)]
-    commands["radixlm"] = shlex.join(radixlm)
-    with serving("radixlm", radixlm, port) as url:
-        results += run_online("radixlm", url, workloads)
-    port = free_port()
-    fp32 = [sys.executable, "-m", "runtime.cli", "serve", "--port", str(port), *ONLINE_FP32]
-    commands["radixlm fp32"] = shlex.join(fp32)
-    with serving("radixlm fp32", fp32, port) as url:
-        results += run_online("radixlm fp32", url, workloads)
+    for system, extra in (("radixlm", ()), ("radixlm fp32", ONLINE_FP32)):
+        port = free_port()
+        command = [sys.executable, "-m", "runtime.cli", "serve", "--port", str(port), *extra]
+        commands[system] = shlex.join(command)
+        with serving(system, command, port) as url:
+            results += run_online(system, url, workloads)
     if "llama.cpp" in systems and llama_binary:
         port = free_port()
         llama = llama_server_command(llama_binary, gguf, port, max(w.concurrency for w in workloads), 2048)

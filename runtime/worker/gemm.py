@@ -16,7 +16,6 @@ changes with how many tokens share the step.
 from __future__ import annotations
 
 import logging
-import time
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Iterator, NamedTuple
@@ -24,6 +23,7 @@ from typing import Iterator, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from runtime.utils import best_time
 from runtime.worker.quant import Plan, QuantizedMatrix
 
 log = logging.getLogger(__name__)
@@ -126,15 +126,7 @@ def _time_kernels(kernels: list[str], weights: list[torch.Tensor], device: torch
         run, total = _RUN[name], 0.0
         for n in rows:
             xs = {w.shape[1]: torch.randn(n, w.shape[1], dtype=w.dtype, device=device) for w in weights}
-            for w in weights:
-                run(xs[w.shape[1]], w, None)  # warm: first calls build kernels
-            best = float("inf")
-            for _ in range(3):
-                start = time.perf_counter()
-                for w in weights:
-                    run(xs[w.shape[1]], w, None)
-                best = min(best, time.perf_counter() - start)
-            total += best
+            total += best_time(lambda: [run(xs[w.shape[1]], w, None) for w in weights])
         times[name] = total
     choice = min(times, key=times.get)
     log.info("linear kernel: %s (timed on the model's weights: %s)", choice,

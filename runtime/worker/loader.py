@@ -224,31 +224,35 @@ class GGUFTensor:
         if c0 % self._block or (c1 % self._block and c1 != self.shape[1]):
             return None
         layout = _BLOCK_LAYOUTS[self.format]
-        codes = self._read(rows, cols, lambda data: layout.codes(data))
-        scale, zero = (self._read(rows, cols, lambda data: part, per_group=GROUP)
-                       for part in layout.scale_zero(self._t.data))
-        return Blocks(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(np.ascontiguousarray(scale)),
-                      torch.from_numpy(np.ascontiguousarray(zero)), layout.bits, GROUP)
+        codes = self._read(rows, cols, layout.codes)
+        a, b = self._whole_heads(rows)
+        groups = slice(c0 // GROUP, -(-c1 // GROUP))
+        scale, zero = (self._trim(part[:, groups], rows) for part in layout.scale_zero(self._t.data[a:b]))
+        return Blocks(*(torch.from_numpy(np.ascontiguousarray(t)) for t in (codes, scale, zero)), layout.bits, GROUP)
 
-    def _read(self, rows: slice, cols: slice, decode: Any, per_group: int = 0) -> np.ndarray:
-        """Rows `rows`, columns `cols` of what `decode` makes of the quant blocks that cover them
-        (whole heads when q/k rows are permuted, then trimmed). `per_group`: `decode` ignores its
-        input and returns values laid out one per `per_group` columns, of the whole tensor."""
-        r0, r1, _ = rows.indices(self.shape[0])
-        h = self._head_rows
-        a, b = r0 // h * h, -(-r1 // h) * h
+    def _read(self, rows: slice, cols: slice, decode: Any) -> np.ndarray:
+        """Rows `rows`, columns `cols` of what `decode` makes of the quant blocks that cover them."""
+        a, b = self._whole_heads(rows)
         c0, c1, _ = cols.indices(self.shape[1])
         q = self._block
         first, last = c0 // q, -(-c1 // q)
-        if per_group:
-            w = decode(None)[a:b, c0 // per_group : -(-c1 // per_group)]
-        else:
-            data = self._t.data[a:b]
-            per = data.shape[1] // (self.shape[1] // q)  # bytes (elements when unquantized) per block
-            w = decode(np.ascontiguousarray(data[:, first * per : last * per]))
-            w = w[:, c0 - first * q : c1 - first * q]
-        if h > 1:
-            w = _unpermute_rows(w, (b - a) // h)
+        data = self._t.data[a:b]
+        per = data.shape[1] // (self.shape[1] // q)  # bytes (elements when unquantized) per block
+        w = decode(np.ascontiguousarray(data[:, first * per : last * per]))
+        return self._trim(w[:, c0 - first * q : c1 - first * q], rows)
+
+    def _whole_heads(self, rows: slice) -> tuple[int, int]:
+        """The rows to read for `rows`: whole heads when q/k rows are permuted."""
+        r0, r1, _ = rows.indices(self.shape[0])
+        h = self._head_rows
+        return r0 // h * h, -(-r1 // h) * h
+
+    def _trim(self, w: np.ndarray, rows: slice) -> np.ndarray:
+        """`w` read for `_whole_heads(rows)`: un-permuted, then cut to `rows`."""
+        a, b = self._whole_heads(rows)
+        if self._head_rows > 1:
+            w = _unpermute_rows(w, (b - a) // self._head_rows)
+        r0, r1, _ = rows.indices(self.shape[0])
         return w[r0 - a : r1 - a]
 
 
@@ -260,7 +264,7 @@ class _BlockLayout(NamedTuple):
 
     bits: int
     codes: Any  # [rows, blocks * bytes per block] -> [rows, columns] codes
-    scale_zero: Any  # the tensor's whole data -> ([rows, columns / GROUP] scale, same zero), fp32
+    scale_zero: Any  # [rows, blocks * bytes per block] -> ([rows, columns / GROUP] scale, same zero), fp32
 
 
 def _fp16_at(data: np.ndarray, size: int, at: int) -> np.ndarray:

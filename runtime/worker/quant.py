@@ -34,7 +34,6 @@ looks up.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -42,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.args import QUANT_GROUP_SIZES as GROUP_SIZES, QUANTIZATIONS as METHODS
+from runtime.utils import best_time
 
 log = logging.getLogger(__name__)
 
@@ -263,20 +263,10 @@ def time_layer(sample: list[QuantizedMatrix]) -> Timing:
     codes, by_dtype = [], {dt: [] for dt in dtypes}
     for n in PLAN_ROWS:
         xs = {m.in_features: torch.randn(n, m.in_features) for m in sample}
-        codes.append(_best(lambda: [m.matmul(xs[m.in_features], None, Plan()) for m in sample]) * 1e3)
+        codes.append(best_time(lambda: [m.matmul(xs[m.in_features], None, Plan()) for m in sample]) * 1e3)
         for dt, ws in dense.items():
-            by_dtype[dt].append(_best(lambda: [_dense_matmul(xs[m.in_features], w) for m, w in zip(sample, ws)]) * 1e3)
+            by_dtype[dt].append(best_time(lambda: [_dense_matmul(xs[m.in_features], w) for m, w in zip(sample, ws)]) * 1e3)
     return Timing(PLAN_ROWS, tuple(codes), {dt: tuple(t) for dt, t in by_dtype.items()})
-
-
-def _best(fn, tries: int = 3) -> float:
-    fn()  # warm: first calls build kernels
-    best = float("inf")
-    for _ in range(tries):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 # ---- a whole model --------------------------------------------------------------------------------
@@ -382,14 +372,19 @@ def weight_bytes(model: torch.nn.Module) -> int:
     dense = sum(p.numel() * p.element_size() for p in params)
     dense += sum(p._onednn_packed.numel() * p._onednn_packed.element_size()
                  for p in params if getattr(p, "_onednn_packed", None) is not None)
-    seen = {id(m.weight): m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), QuantizedMatrix)}
-    return dense + sum(q.nbytes for q in seen.values())
+    return dense + sum(q.nbytes for q in served_matrices(model))
 
 
 def parameter_count(model: torch.nn.Module) -> int:
     """The model's weights, however served (each quantized matrix counted once)."""
+    return sum(p.numel() for p in model.parameters()) + sum(q.out_features * q.in_features
+                                                           for q in served_matrices(model))
+
+
+def served_matrices(model: torch.nn.Module) -> list[QuantizedMatrix]:
+    """The model's quantized matrices, each once (a tied table serves two modules)."""
     seen = {id(m.weight): m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), QuantizedMatrix)}
-    return sum(p.numel() for p in model.parameters()) + sum(q.out_features * q.in_features for q in seen.values())
+    return list(seen.values())
 
 
 def _matrices(model: torch.nn.Module, role: str) -> list[torch.nn.Module]:
