@@ -27,8 +27,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
-from kernels.extend_attention import extend_attention, extend_attention_reference  # noqa: E402
+from radixlm.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
+from radixlm.kernels.extend_attention import extend_attention, extend_attention_reference  # noqa: E402
 
 DEVICE = "cpu" if DRY else "cuda"
 DTYPE = torch.float32 if DRY else torch.bfloat16
@@ -130,7 +130,7 @@ def time_extend(rows: list[str]) -> None:
 def end_to_end(rows: list[str]) -> None:
     import transformers
 
-    from runtime.local_engine import LocalEngine
+    from radixlm.runtime.local_engine import LocalEngine
 
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512) if DRY else dict(

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from runtime.local_engine import LocalEngine
+from radixlm.runtime.local_engine import LocalEngine
 
 SCHEMA = {
     "type": "object",

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.worker import gemm
+from radixlm.runtime.worker import gemm
 
 FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 

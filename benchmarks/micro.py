@@ -25,15 +25,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.machine import measure  # noqa: E402
-from runtime.args import ServerArgs  # noqa: E402
-from runtime.cache.allocator import PageAllocator  # noqa: E402
-from runtime.cache.kv_pool import ReqToTokenTable  # noqa: E402
-from runtime.cache.radix_cache import RadixCache  # noqa: E402
-from runtime.messages import TokenizedRequest  # noqa: E402
-from runtime.sampling_params import SamplingParams  # noqa: E402
-from runtime.scheduler.scheduler import Scheduler  # noqa: E402
-from runtime.worker.model_worker import WorkerOutput  # noqa: E402
-from runtime.worker.sampler import Sampler, SamplingBatch  # noqa: E402
+from radixlm.runtime.args import ServerArgs  # noqa: E402
+from radixlm.runtime.cache.allocator import PageAllocator  # noqa: E402
+from radixlm.runtime.cache.kv_pool import ReqToTokenTable  # noqa: E402
+from radixlm.runtime.cache.radix_cache import RadixCache  # noqa: E402
+from radixlm.runtime.messages import TokenizedRequest  # noqa: E402
+from radixlm.runtime.sampling_params import SamplingParams  # noqa: E402
+from radixlm.runtime.scheduler.scheduler import Scheduler  # noqa: E402
+from radixlm.runtime.worker.model_worker import WorkerOutput  # noqa: E402
+from radixlm.runtime.worker.sampler import Sampler, SamplingBatch  # noqa: E402
 
 
 def timed(fn, *args) -> float:
@@ -132,7 +132,7 @@ def roofline_rows(quick: bool) -> tuple[list[str], list[str]]:
     machine = [f"| CPU | {m.cpu}, {' '.join(m.features)} |",
                f"| memory bandwidth (copy) | {bandwidth / 1e9:.1f} GB/s |",
                f"| fp32 matmul ({512 if quick else 2048}², the faster kernel) | {flops / 1e9:.0f} GFLOP/s |"]
-    from runtime.local_engine import LocalEngine
+    from radixlm.runtime.local_engine import LocalEngine
 
     engine = LocalEngine(max_total_tokens=8192, disable_radix_cache=True)  # every run prefills alike
     params = sum(p.numel() for p in engine.worker.model.parameters())

@@ -30,9 +30,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from runtime.local_engine import LocalEngine  # noqa: E402
-from runtime.tokenizer.loader import load_tokenizer  # noqa: E402
-from runtime.worker.loader import default_model_path, resolve_model  # noqa: E402
+from radixlm.runtime.local_engine import LocalEngine  # noqa: E402
+from radixlm.runtime.tokenizer.loader import load_tokenizer  # noqa: E402
+from radixlm.runtime.worker.loader import default_model_path, resolve_model  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 HF = "hf-static"
@@ -151,7 +151,7 @@ def _row(w: Workload, system: str, wall: float, outputs: list[list[int]], cached
 
 
 def load_hf(path: str) -> Any:
-    from runtime.hf_reference import load_hf_model
+    from radixlm.runtime.hf_reference import load_hf_model
 
     return load_hf_model(path)
 

@@ -24,9 +24,9 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.machine import measure  # noqa: E402
 from benchmarks.step_cost import CONTEXT, Bench  # noqa: E402
-from runtime.cache.kv_pool import KVPool  # noqa: E402
-from runtime.local_engine import LocalEngine  # noqa: E402
-from runtime.worker import layers, quant  # noqa: E402
+from radixlm.runtime.cache.kv_pool import KVPool  # noqa: E402
+from radixlm.runtime.local_engine import LocalEngine  # noqa: E402
+from radixlm.runtime.worker import layers, quant  # noqa: E402
 
 PRECISIONS = ("none", "auto")
 

@@ -24,9 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from offline_throughput import FULL, random_workload, shared_prefix_workload, token_pool  # noqa: E402
-from runtime.local_engine import LocalEngine  # noqa: E402
-from runtime.messages import TokenizedRequest  # noqa: E402
-from runtime.sampling_params import SamplingParams  # noqa: E402
+from radixlm.runtime.local_engine import LocalEngine  # noqa: E402
+from radixlm.runtime.messages import TokenizedRequest  # noqa: E402
+from radixlm.runtime.sampling_params import SamplingParams  # noqa: E402
 from workloads import no_sharing  # noqa: E402
 
 WARMUP_STEPS = 3

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.machine import HIDDEN, INTER, best_of, cpu_info, smollm2_shapes  # noqa: E402
-from runtime.worker import gemm, quant  # noqa: E402
+from radixlm.runtime.worker import gemm, quant  # noqa: E402
 
 GROUP = 32
 

@@ -25,10 +25,10 @@ import httpx
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-from runtime.args import ServerArgs  # noqa: E402
-from runtime.launch import free_port  # noqa: E402
-from runtime.router.launch import start_replica  # noqa: E402
-from runtime.server.launch_server import wait_until_serving  # noqa: E402
+from radixlm.runtime.args import ServerArgs  # noqa: E402
+from radixlm.runtime.launch import free_port  # noqa: E402
+from radixlm.runtime.router.launch import start_replica  # noqa: E402
+from radixlm.runtime.server.launch_server import wait_until_serving  # noqa: E402
 
 TOPICS = ["gardening", "tax forms", "bicycle repair", "Italian cooking", "chess openings", "home networking",
           "birdwatching", "sourdough", "astronomy", "first aid", "knitting", "car insurance"]
@@ -91,7 +91,7 @@ def main() -> int:
             for url, _ in replicas:
                 httpx.post(url + "/flush_cache", timeout=60).raise_for_status()
             port = free_port()
-            router = subprocess.Popen([sys.executable, "-m", "runtime.cli", "router", "--policy", policy, "--port",
+            router = subprocess.Popen([sys.executable, "-m", "radixlm.runtime.cli", "router", "--policy", policy, "--port",
                                        str(port), "--worker-urls", *[u for u, _ in replicas]], cwd=ROOT)
             try:
                 wait_until_serving(f"http://127.0.0.1:{port}", router, timeout=60)

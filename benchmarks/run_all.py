@@ -7,7 +7,7 @@
     python benchmarks/run_all.py --only online  # only the online section (with --quick: a few requests)
 
 Systems:
-- radixlm: each program workload as a `frontend_lang` program (`run_batch` on the
+- radixlm: each program workload as a `radixlm.lang` program (`run_batch` on the
   `Runtime` backend); the no-sharing workload as raw requests from a closed loop
   of clients. Default policy (`lpm`), radix cache on; also `radixlm fcfs`,
   `radixlm no-cache` (`disable_radix_cache`), and for JSON `radixlm
@@ -71,14 +71,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
-import frontend_lang as fl  # noqa: E402
-from frontend_lang.backends.base import Call  # noqa: E402
+import radixlm as rl  # noqa: E402
+from radixlm.lang.backends.base import Call  # noqa: E402
 from machine import FEATURES, cpu_info  # noqa: E402
 from offline_throughput import hf_generate, load_hf  # noqa: E402
-from runtime import bench_serve  # noqa: E402
-from runtime.launch import free_port  # noqa: E402
-from runtime.server.launch_server import wait_until_serving  # noqa: E402
-from runtime.worker.loader import default_model_path  # noqa: E402
+from radixlm.runtime import bench_serve  # noqa: E402
+from radixlm.runtime.launch import free_port  # noqa: E402
+from radixlm.runtime.server.launch_server import wait_until_serving  # noqa: E402
+from radixlm.runtime.worker.loader import default_model_path  # noqa: E402
 from workloads import Workload, all_workloads  # noqa: E402
 
 HF_BATCH = 32
@@ -138,11 +138,11 @@ class Result:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
 
 
-class Recorder(fl.Backend):
+class Recorder(rl.Backend):
     """A backend that passes every call through and records it (not `cache_prefix`'s empty ones:
     they are an optimization, not work a baseline would replay)."""
 
-    def __init__(self, inner: fl.Backend) -> None:
+    def __init__(self, inner: rl.Backend) -> None:
         self.inner = inner
         self.requests: list[Request] = []
         self._lock = threading.Lock()
@@ -209,7 +209,7 @@ def program_latencies(requests: list[Request], ends: list[float], t0: float) -> 
 
 # ---- radixlm ----------------------------------------------------------------------------------------
 
-def run_radixlm(backend: fl.Runtime, w: Workload, system: str) -> tuple[Result, list[Request]]:
+def run_radixlm(backend: rl.Runtime, w: Workload, system: str) -> tuple[Result, list[Request]]:
     backend.flush_cache()
     recorder = Recorder(backend)
     start = time.perf_counter()
@@ -234,7 +234,7 @@ def run_radixlm(backend: fl.Runtime, w: Workload, system: str) -> tuple[Result, 
                   sum(r.cached_tokens for r in reqs), latencies), reqs
 
 
-def _engine_request(backend: fl.Runtime, recorder: Recorder, ids: list[int], n: int) -> None:
+def _engine_request(backend: rl.Runtime, recorder: Recorder, ids: list[int], n: int) -> None:
     start = time.perf_counter()
     meta = backend.engine.generate(input_ids=ids, sampling_params={"max_new_tokens": n, "temperature": 0,
                                                                     "ignore_eos": True})["meta_info"]
@@ -256,8 +256,8 @@ class HFStatic:
     name = "hf-static"
 
     def __init__(self, path: str) -> None:
-        from runtime.tokenizer.loader import load_tokenizer
-        from runtime.worker.loader import resolve_model
+        from radixlm.runtime.tokenizer.loader import load_tokenizer
+        from radixlm.runtime.worker.loader import resolve_model
 
         self.tokenizer = load_tokenizer(resolve_model(path))  # transformers' conversion, cached
         self.model = load_hf(path)
@@ -543,7 +543,7 @@ def online_section(workloads: list[OnlineWorkload], systems: list[str], gguf: st
     results: list[OnlineResult] = []
     for system, extra in (("radixlm", ()), ("radixlm fp32", ONLINE_FP32)):
         port = free_port()
-        command = [sys.executable, "-m", "runtime.cli", "serve", "--port", str(port), *extra]
+        command = [sys.executable, "-m", "radixlm.runtime.cli", "serve", "--port", str(port), *extra]
         commands[system] = shlex.join(command)
         with serving(system, command, port) as url:
             results += run_online(system, url, workloads)
@@ -814,7 +814,7 @@ def main() -> None:
         wanted = [w for w in workloads if system not in OPTIONAL or system in w.only]
         if system not in systems or not wanted:
             continue
-        backend = fl.Runtime(**options)
+        backend = rl.Runtime(**options)
         try:
             backend.engine.generate("Warm up", {"max_new_tokens": 4})
             for w in wanted:

@@ -43,8 +43,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-from runtime.launch import free_port  # noqa: E402
-from runtime.server.launch_server import wait_until_serving  # noqa: E402
+from radixlm.runtime.launch import free_port  # noqa: E402
+from radixlm.runtime.server.launch_server import wait_until_serving  # noqa: E402
 
 SYSTEM_PROMPTS = [
     "You are a careful assistant for a hardware store. " + "Answer briefly and name the aisle. " * 25,
@@ -249,7 +249,7 @@ class Server:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(f"/tmp/radixlm-soak-{port}.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--port", str(port), *extra],
+        self.proc = subprocess.Popen([sys.executable, "-m", "radixlm.runtime.cli", "serve", "--port", str(port), *extra],
                                      cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         try:
             wait_until_serving(self.url, self.proc)

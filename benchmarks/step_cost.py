@@ -23,10 +23,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.machine import best_of, measure  # noqa: E402
-from runtime.local_engine import LocalEngine  # noqa: E402
-from runtime.messages import TokenizedRequest  # noqa: E402
-from runtime.sampling_params import SamplingParams  # noqa: E402
-from runtime.worker import quant  # noqa: E402
+from radixlm.runtime.local_engine import LocalEngine  # noqa: E402
+from radixlm.runtime.messages import TokenizedRequest  # noqa: E402
+from radixlm.runtime.sampling_params import SamplingParams  # noqa: E402
+from radixlm.runtime.worker import quant  # noqa: E402
 
 CONTEXT = 128
 

@@ -1,6 +1,6 @@
 """The SGLang paper's workloads, generated deterministically (fixed seeds, no downloads).
 
-Each program workload is a `frontend_lang` program plus one argument dict per
+Each program workload is a `radixlm.lang` program plus one argument dict per
 run of it; systems without a DSL replay the requests the program made (see
 `run_all.py`). The no-sharing workload is raw requests (token ids with a
 ShareGPT-like length distribution): in real life it is not a program.
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-import frontend_lang as fl
+import radixlm as rl
 from json_decode import CITIES, PEOPLE, SCHEMA
 
 
@@ -27,7 +27,7 @@ from json_decode import CITIES, PEOPLE, SCHEMA
 class Workload:
     name: str
     description: str
-    program: fl.Function | None = None  # None: a raw workload (`requests`)
+    program: rl.Function | None = None  # None: a raw workload (`requests`)
     args: list[dict[str, Any]] = field(default_factory=list)  # one per program run
     requests: list[tuple[list[int], int]] = field(default_factory=list)  # raw: (prompt ids, output length)
     concurrency: int = 0  # raw: clients in a closed loop
@@ -83,10 +83,10 @@ def hellaswag(n: int, shots: int = 8, seed: int = 7) -> Workload:
                     hellaswag_program, [{"shots": head, "context": c, "endings": e} for c, e, _ in items])
 
 
-@fl.function
+@rl.function
 def hellaswag_program(s, shots, context, endings):
     s += shots + "Scene: " + context
-    s += fl.select("ending", endings)
+    s += rl.select("ending", endings)
 
 
 # ---- multi-turn chat: each session's history grows; short and long answers -----------------------
@@ -100,11 +100,11 @@ _ASKS = ["Explain the basics of {t} to me.", "What are common mistakes people ma
          "What should a beginner read about {t}?", "Compare two opposing views on {t}."]
 
 
-@fl.function
+@rl.function
 def chat_program(s, messages, answer_tokens):
     for i, message in enumerate(messages):
-        s += fl.user(message)
-        s += fl.assistant(fl.gen(f"answer{i}", max_tokens=answer_tokens, ignore_eos=True, temperature=0))
+        s += rl.user(message)
+        s += rl.assistant(rl.gen(f"answer{i}", max_tokens=answer_tokens, ignore_eos=True, temperature=0))
 
 
 def chat(sessions: int, turns: int = 4, short: int = 16, long: int = 96, seed: int = 3) -> Workload:
@@ -121,10 +121,10 @@ def chat(sessions: int, turns: int = 4, short: int = 16, long: int = 96, seed: i
 
 # ---- JSON decoding with a schema ------------------------------------------------------------------
 
-@fl.function
+@rl.function
 def json_program(s, bio):
-    s += fl.user(f"Extract name, age, city, is_student and hobbies as JSON from: {bio}")
-    s += fl.assistant(fl.gen("json", max_tokens=128, json_schema=SCHEMA, temperature=0))
+    s += rl.user(f"Extract name, age, city, is_student and hobbies as JSON from: {bio}")
+    s += rl.assistant(rl.gen("json", max_tokens=128, json_schema=SCHEMA, temperature=0))
 
 
 def json_extraction(n: int) -> Workload:
@@ -136,22 +136,22 @@ def json_extraction(n: int) -> Workload:
 
 # ---- tree of thought: fork into branches, judge each, expand the best ----------------------------
 
-@fl.function
+@rl.function
 def tree_program(s, question, width, depth, step_tokens):
-    s += fl.user(question + " Reason in short steps.")
-    s += fl.assistant_begin()
+    s += rl.user(question + " Reason in short steps.")
+    s += rl.assistant_begin()
     for level in range(depth):
         forks = s.fork(width)
         for i, branch in enumerate(forks):
-            branch += f"Step {level + 1}: " + fl.gen("step", max_tokens=step_tokens, ignore_eos=True,
+            branch += f"Step {level + 1}: " + rl.gen("step", max_tokens=step_tokens, ignore_eos=True,
                                                      temperature=0.8, seed=100 * level + i)
-            branch += "\nIs this step correct and useful? " + fl.select("judge", ["yes", "no"])
+            branch += "\nIs this step correct and useful? " + rl.select("judge", ["yes", "no"])
         forks.join()
         scores = [b.get_meta_info("judge")["normalized_scores"] for b in forks]
         best = max(range(width), key=lambda i: scores[i][0] - scores[i][1])
         s += f"Step {level + 1}: {forks[best]['step']}\n"
-    s += "Answer: " + fl.gen("answer", max_tokens=step_tokens, ignore_eos=True, temperature=0)
-    s += fl.assistant_end()
+    s += "Answer: " + rl.gen("answer", max_tokens=step_tokens, ignore_eos=True, temperature=0)
+    s += rl.assistant_end()
 
 
 def tree_of_thought(n: int, width: int = 3, depth: int = 2, step_tokens: int = 24, seed: int = 5) -> Workload:
@@ -187,12 +187,12 @@ _ENTITIES = ["the Danube", "Mount Kilimanjaro", "the Great Barrier Reef", "the A
              "Table Mountain", "the Dead Sea", "the Rhine", "Mount Fuji", "the Andes", "Victoria Falls"]
 
 
-@fl.function
+@rl.function
 def react_program(s, question, observations, thought_tokens, action_tokens):
     s += _REACT_HEAD + "Question: " + question + "\n"
     for i, observation in enumerate(observations):
-        s += "Thought:" + fl.gen(f"thought{i}", max_tokens=thought_tokens, ignore_eos=True, temperature=0)
-        s += "\nAction:" + fl.gen(f"action{i}", max_tokens=action_tokens, ignore_eos=True, temperature=0)
+        s += "Thought:" + rl.gen(f"thought{i}", max_tokens=thought_tokens, ignore_eos=True, temperature=0)
+        s += "\nAction:" + rl.gen(f"action{i}", max_tokens=action_tokens, ignore_eos=True, temperature=0)
         s += "\nObservation: " + observation + "\n"
 
 
@@ -239,10 +239,10 @@ def _mmlu_question(rng: random.Random) -> tuple[str, int]:
     return text + "Answer:", options.index(right)
 
 
-@fl.function
+@rl.function
 def mmlu_program(s, shots, text):
     s += shots + text
-    s += fl.select("answer", [f" {letter}" for letter in LETTERS])
+    s += rl.select("answer", [f" {letter}" for letter in LETTERS])
 
 
 def mmlu(n: int, seed: int = 0) -> Workload:

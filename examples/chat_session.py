@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import frontend_lang as fl
+import radixlm as rl
 
 TURNS = ["Hi! My name is Ada and I like astronomy.", "What is my name?", "Suggest one thing to look at in the sky tonight."]
 
 
-@fl.function
+@rl.function
 def session(s, turns):
     for i, turn in enumerate(turns):
-        s += fl.user(turn)
-        s += fl.assistant(fl.gen(f"reply{i}", max_tokens=40, temperature=0))
+        s += rl.user(turn)
+        s += rl.assistant(rl.gen(f"reply{i}", max_tokens=40, temperature=0))
 
 
-def main(backend: fl.Backend) -> list[dict]:
+def main(backend: rl.Backend) -> list[dict]:
     state = session.run(turns=TURNS, backend=backend)
     rows = []
     for i, turn in enumerate(TURNS):

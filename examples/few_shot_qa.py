@@ -7,7 +7,7 @@ cache (see cached_tokens).
 
 from __future__ import annotations
 
-import frontend_lang as fl
+import radixlm as rl
 
 EXAMPLES = [
     ("Which is a fruit: carrot or apple?", "apple"),
@@ -22,15 +22,15 @@ QUESTIONS = [
 ]
 
 
-@fl.function
+@rl.function
 def few_shot(s, question, options):
     s += "Answer each question with one of the two words it offers.\n\n"
     for q, a in EXAMPLES:
         s += f"Question: {q}\nAnswer: {a}\n\n"
-    s += f"Question: {question}\nAnswer: " + fl.select("answer", options)
+    s += f"Question: {question}\nAnswer: " + rl.select("answer", options)
 
 
-def main(backend: fl.Backend) -> list[dict]:
+def main(backend: rl.Backend) -> list[dict]:
     states = few_shot.run_batch([{"question": q, "options": o} for q, o in QUESTIONS], backend=backend)
     rows = []
     for (question, _), state in zip(QUESTIONS, states):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-import frontend_lang as fl
+import radixlm as rl
 
 SCHEMA = {
     "type": "object",
@@ -22,16 +22,16 @@ TEXTS = [
 ]
 
 
-@fl.function
+@rl.function
 def extract(s, text):
-    s += fl.system("You extract facts from text.")
-    s += fl.user(f"Text: {text}\nGive the person's name, age and city as JSON.")
-    s += fl.assistant(fl.gen("record", max_tokens=64, json_schema=SCHEMA))
-    s += fl.user("And the date mentioned, as YYYY-MM-DD?")
-    s += fl.assistant(fl.gen("date", regex=DATE))
+    s += rl.system("You extract facts from text.")
+    s += rl.user(f"Text: {text}\nGive the person's name, age and city as JSON.")
+    s += rl.assistant(rl.gen("record", max_tokens=64, json_schema=SCHEMA))
+    s += rl.user("And the date mentioned, as YYYY-MM-DD?")
+    s += rl.assistant(rl.gen("date", regex=DATE))
 
 
-def main(backend: fl.Backend) -> list[dict]:
+def main(backend: rl.Backend) -> list[dict]:
     out = []
     for state in extract.run_batch([{"text": t} for t in TEXTS], backend=backend, temperature=0):
         record = json.loads(state["record"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 import operator
 
-import frontend_lang as fl
+import radixlm as rl
 
 FACTS = {
     "eiffel tower height": "330 metres",
@@ -65,18 +65,18 @@ Thought: I know the answer.
 Action: finish[4.2 million people]"""
 
 
-@fl.function
+@rl.function
 def agent(s, questions, max_steps=3):
-    s += fl.system(SYSTEM)
+    s += rl.system(SYSTEM)
     trace = []
     for question in questions:
-        s += fl.user(f"Task: {question}")
-        s += fl.assistant_begin()
+        s += rl.user(f"Task: {question}")
+        s += rl.assistant_begin()
         for _ in range(max_steps):
-            s += "Thought: " + fl.gen("thought", max_tokens=24, regex=r"[A-Z][^\n]{4,100}") + "\n"
-            s += "Action: " + fl.select("action", ["lookup", "calculator", "finish"])
+            s += "Thought: " + rl.gen("thought", max_tokens=24, regex=r"[A-Z][^\n]{4,100}") + "\n"
+            s += "Action: " + rl.select("action", ["lookup", "calculator", "finish"])
             action = s["action"]
-            s += "[" + fl.gen("argument", regex=ARGUMENT[action]) + "]\n"
+            s += "[" + rl.gen("argument", regex=ARGUMENT[action]) + "]\n"
             step = {"question": question, "action": action, "argument": s["argument"]}
             if action == "finish":
                 trace.append(step)
@@ -84,11 +84,11 @@ def agent(s, questions, max_steps=3):
             step["observation"] = TOOLS[action](s["argument"])
             trace.append(step)
             s += f"Observation: {step['observation']}\n"
-        s += fl.assistant_end()
+        s += rl.assistant_end()
     s.set_var("trace", trace)
 
 
-def main(backend: fl.Backend) -> dict:
+def main(backend: rl.Backend) -> dict:
     state = agent.run(questions=QUESTIONS, backend=backend, temperature=0)
     for step in state["trace"]:
         print(f"[{step['question']}] {step['action']}[{step['argument']}] -> {step.get('observation', '(final)')}")

@@ -1,17 +1,17 @@
 """radixlm's language for LLM programs (SGLang's frontend primitives).
 
-    import frontend_lang as fl
+    import radixlm as rl
 
-    @fl.function
+    @rl.function
     def qa(s, question):
-        s += fl.user(question)
-        s += fl.assistant(fl.gen("answer", max_tokens=64))
+        s += rl.user(question)
+        s += rl.assistant(rl.gen("answer", max_tokens=64))
 
-    fl.set_default_backend(fl.RuntimeEndpoint("http://127.0.0.1:30000"))
+    rl.set_default_backend(rl.RuntimeEndpoint("http://127.0.0.1:30000"))
     print(qa.run(question="Capital of France?")["answer"])
 """
 
-from frontend_lang.api import (
+from radixlm.lang.api import (
     Function,
     assistant,
     assistant_begin,
@@ -33,22 +33,22 @@ from frontend_lang.api import (
     user_begin,
     user_end,
 )
-from frontend_lang.backends.base import Backend, BackendError
-from frontend_lang.backends.runtime_endpoint import RuntimeEndpoint
-from frontend_lang.chat_template import ChatTemplate, get_chat_template
-from frontend_lang.interpreter import ForkGroup, ProgramError, ProgramState
+from radixlm.lang.backends.base import Backend, BackendError
+from radixlm.lang.backends.runtime_endpoint import RuntimeEndpoint
+from radixlm.lang.chat_template import ChatTemplate, get_chat_template
+from radixlm.lang.interpreter import ForkGroup, ProgramError, ProgramState
 
 
 def Runtime(model_path=None, attach=None, **server_args):  # noqa: N802 - a class to its users; imported late (torch)
     """A local runtime in the background (or a running server's, `attach=url`), over ZeroMQ; see backends/runtime.py."""
-    from frontend_lang.backends.runtime import Runtime as _Runtime
+    from radixlm.lang.backends.runtime import Runtime as _Runtime
 
     return _Runtime(model_path, attach, **server_args)
 
 
 def OpenAI(model, base_url=None, api_key=None, is_chat_model=True, chat_template="plain"):  # noqa: N802
     """Any OpenAI-compatible server; see backends/openai_backend.py."""
-    from frontend_lang.backends.openai_backend import OpenAI as _OpenAI
+    from radixlm.lang.backends.openai_backend import OpenAI as _OpenAI
 
     return _OpenAI(model, base_url, api_key, is_chat_model, chat_template)
 

@@ -11,9 +11,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from frontend_lang.backends.base import Backend
-from frontend_lang.interpreter import ProgramState, run_batch, run_program
-from frontend_lang.ir import Expr, Gen, RoleBegin, RoleEnd, Select, as_expr
+from radixlm.lang.backends.base import Backend
+from radixlm.lang.interpreter import ProgramState, run_batch, run_program
+from radixlm.lang.ir import Expr, Gen, RoleBegin, RoleEnd, Select, as_expr
 
 token_length_normalized = "token_length_normalized"
 greedy_token = "greedy_token"

@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
-from frontend_lang.backends.base import Backend, Call
-from frontend_lang.chat_template import ChatTemplate
-from frontend_lang.ir import Expr, Gen, RoleBegin, RoleEnd, Select, Text, as_expr, flatten
+from radixlm.lang.backends.base import Backend, Call
+from radixlm.lang.chat_template import ChatTemplate
+from radixlm.lang.ir import Expr, Gen, RoleBegin, RoleEnd, Select, Text, as_expr, flatten
 
 _END = object()  # closes a stream of text events
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import attend_block, block_size, dot_precision, interpreting, load_kv
+from radixlm.kernels.common import attend_block, block_size, dot_precision, interpreting, load_kv
 
 
 @triton.jit

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from runtime.args import ServerArgs
+from radixlm.runtime.args import ServerArgs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="requests that may wait beyond --max-running-requests; more get 503 + Retry-After "
                           "(default: no limit)")
     ServerArgs.add_cli_args(srv)
-    from runtime.router import POLICIES
+    from radixlm.runtime.router import POLICIES
 
     rt = sub.add_parser("router", help="one API over several replicas, each request sent where its prefix is cached")
     rt.add_argument("--worker-urls", nargs="*", default=[], help="replicas already running (radixlm serve URLs)")
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
                          "(default: $RADIXLM_API_KEY); replicas it starts get no key: they listen on 127.0.0.1")
     ServerArgs.add_cli_args(rt)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    from runtime import bench_serve
+    from radixlm.runtime import bench_serve
 
     bench_serve.add_cli_args(bench.add_parser("serve", help="online serving benchmark against a running server"))
     ns = parser.parse_args(argv)
@@ -57,14 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "router":
         if not ns.worker_urls and ns.dp_size < 1:
             parser.error("give --worker-urls or --dp-size")
-        from runtime.router.launch import run_router
+        from radixlm.runtime.router.launch import run_router
 
         return run_router(ns.worker_urls, ns.dp_size, ServerArgs.from_cli_args(ns), ns.policy, ns.host, ns.port,
                           ns.api_key)
     if ns.command == "serve":
         if (ns.max_queued_requests or 0) < 0 or (ns.max_request_bytes is not None and ns.max_request_bytes < 1):
             parser.error("--max-queued-requests must be >= 0 and --max-request-bytes >= 1")
-        from runtime.server.launch_server import serve
+        from radixlm.runtime.server.launch_server import serve
 
         return serve(ServerArgs.from_cli_args(ns), ns.host, ns.port, ns.api_key, ns.max_request_bytes,
                      ns.max_queued_requests)
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(ns: argparse.Namespace) -> int:
-    from runtime.local_engine import LocalEngine
+    from radixlm.runtime.local_engine import LocalEngine
 
     engine = LocalEngine(**vars(ServerArgs.from_cli_args(ns)))
     prompts = ns.prompts if ns.raw else [engine.apply_chat_template([{"role": "user", "content": p}]) for p in ns.prompts]

@@ -16,8 +16,8 @@ from typing import Any, AsyncIterator, Callable, Coroutine, Iterator
 import zmq
 import zmq.asyncio
 
-from runtime import ipc
-from runtime.messages import AbortRequest, ClientOutput, ControlOutput, ControlRequest, GenerateRequest
+from radixlm.runtime import ipc
+from radixlm.runtime.messages import AbortRequest, ClientOutput, ControlOutput, ControlRequest, GenerateRequest
 
 
 class RequestFailed(ValueError):

@@ -3,7 +3,7 @@
 `Engine` starts the tokenizer and scheduler processes (as `radixlm serve`
 does, without HTTP) and talks to them through the runtime's client, so it
 batches concurrent calls from many threads like a server. For everything in
-one process (tests, benchmarks), see `runtime.local_engine.LocalEngine`.
+one process (tests, benchmarks), see `radixlm.runtime.local_engine.LocalEngine`.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import atexit
 from collections.abc import Iterator
 from typing import Any
 
-from runtime.args import ServerArgs
-from runtime.client import RequestFailed, SyncRuntimeClient
-from runtime.launch import launch_processes
-from runtime.messages import GenerateRequest
-from runtime.native import GenerateAPI, native_requests, native_result
+from radixlm.runtime.args import ServerArgs
+from radixlm.runtime.client import RequestFailed, SyncRuntimeClient
+from radixlm.runtime.launch import launch_processes
+from radixlm.runtime.messages import GenerateRequest
+from radixlm.runtime.native import GenerateAPI, native_requests, native_result
 
 
 class Engine(GenerateAPI):

@@ -32,7 +32,7 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32) -> Any:
 def _parse_gguf_once(path: str) -> Iterator[None]:
     import gguf
 
-    from runtime.worker.loader import _gguf_reader
+    from radixlm.runtime.worker.loader import _gguf_reader
 
     parsed = _gguf_reader(path)  # once per process, shared with our own loader
     real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map

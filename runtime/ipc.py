@@ -13,8 +13,8 @@ from typing import Any
 import orjson
 import zmq
 
-from runtime import messages
-from runtime.sampling_params import SamplingParams
+from radixlm.runtime import messages
+from radixlm.runtime.sampling_params import SamplingParams
 
 _TYPES = {
     cls.__name__: cls

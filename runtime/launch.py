@@ -12,8 +12,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from runtime import ipc
-from runtime.args import ServerArgs
+from radixlm.runtime import ipc
+from radixlm.runtime.args import ServerArgs
 
 log = logging.getLogger("radixlm.launch")
 
@@ -53,9 +53,9 @@ class RuntimeProcesses:
 def launch_processes(args: ServerArgs, start_timeout: float = 600.0) -> RuntimeProcesses:
     """Spawn the tokenizer and scheduler processes (and this machine's other tensor-parallel ranks)
     and wait until all are ready. On a node other than 0, only its tensor-parallel ranks run."""
-    from runtime.scheduler.process import run_scheduler_process
-    from runtime.tokenizer.manager import run_tokenizer_process
-    from runtime.worker.tp_worker import run_follower
+    from radixlm.runtime.scheduler.process import run_scheduler_process
+    from radixlm.runtime.tokenizer.manager import run_tokenizer_process
+    from radixlm.runtime.worker.tp_worker import run_follower
 
     ctx = mp.get_context("spawn")  # fork after torch or zmq initialised is unsafe
     if args.tp_size > 1 and not args.dist_init_addr:

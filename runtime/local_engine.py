@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.args import ServerArgs
-from runtime.constrained.grammar import compiler_factory
-from runtime.messages import GenerateRequest, TokenizedRequest, TokenOutput
-from runtime.native import GenerateAPI
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler.scheduler import Scheduler
-from runtime.tokenizer.loader import chat_prompt, load_tokenizer
-from runtime.worker.loader import resolve_model
-from runtime.worker.model_worker import ModelWorker
+from radixlm.runtime.args import ServerArgs
+from radixlm.runtime.constrained.grammar import compiler_factory
+from radixlm.runtime.messages import GenerateRequest, TokenizedRequest, TokenOutput
+from radixlm.runtime.native import GenerateAPI
+from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.scheduler.scheduler import Scheduler
+from radixlm.runtime.tokenizer.loader import chat_prompt, load_tokenizer
+from radixlm.runtime.worker.loader import resolve_model
+from radixlm.runtime.worker.model_worker import ModelWorker
 
 
 class LocalEngine(GenerateAPI):

@@ -1,6 +1,6 @@
 """Messages between the runtime's parts, grouped by the process that receives them.
 
-Plain dataclasses of plain values: `runtime.ipc` sends them as orjson (never
+Plain dataclasses of plain values: `radixlm.runtime.ipc` sends them as orjson (never
 pickle), tagged with their class name.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.sampling_params import SamplingParams
+from radixlm.runtime.sampling_params import SamplingParams
 
 # ---- to the tokenizer process (from clients) ---------------------------------------------------
 

@@ -9,8 +9,8 @@ import uuid
 from abc import ABC, abstractmethod
 from typing import Any, Sequence
 
-from runtime.messages import ClientOutput, GenerateRequest
-from runtime.sampling_params import sample_seed
+from radixlm.runtime.messages import ClientOutput, GenerateRequest
+from radixlm.runtime.sampling_params import sample_seed
 
 MAX_BATCH = 1024  # prompts x n in one call
 

@@ -65,7 +65,7 @@ class TinyModel:
 
     def engine(self, **kwargs):
         """An Engine over this checkpoint; every engine shares one copy of the weights."""
-        from runtime.local_engine import LocalEngine
+        from radixlm.runtime.local_engine import LocalEngine
 
         kwargs.setdefault("max_total_tokens", 8192)
         engine = LocalEngine(self.path, skip_tokenizer_init=True, model=self._model, **kwargs)
@@ -88,7 +88,7 @@ def tiny_llama(tmp_path_factory) -> TinyModel:
 
 
 def smollm2_path() -> str:
-    from runtime.worker.loader import default_model_path
+    from radixlm.runtime.worker.loader import default_model_path
 
     return default_model_path()  # raises, naming the missing package, if setup did not install it
 
@@ -96,8 +96,8 @@ def smollm2_path() -> str:
 @pytest.fixture(scope="session")
 def smol_tokenizer():
     """SmolLM2's tokenizer (byte-level BPE, from its GGUF), loaded once for the whole session."""
-    from runtime.tokenizer.loader import load_tokenizer
-    from runtime.worker.loader import resolve_model
+    from radixlm.runtime.tokenizer.loader import load_tokenizer
+    from radixlm.runtime.worker.loader import resolve_model
 
     return load_tokenizer(resolve_model(None))
 
@@ -116,8 +116,8 @@ SMOL_QUESTIONS = [
 
 class Smol:
     def __init__(self, tokenizer) -> None:
-        from runtime.hf_reference import load_hf_model
-        from runtime.local_engine import LocalEngine
+        from radixlm.runtime.hf_reference import load_hf_model
+        from radixlm.runtime.local_engine import LocalEngine
 
         self.path = smollm2_path()
         # dequantized fp32: the weights HF runs, so greedy tokens and logprobs compare with it
@@ -129,7 +129,7 @@ class Smol:
         self.refs = hf_greedy(self.hf, self.prompts, NEW_TOKENS)
 
     def engine_with(self, **kwargs):
-        from runtime.local_engine import LocalEngine
+        from radixlm.runtime.local_engine import LocalEngine
 
         kwargs.setdefault("max_total_tokens", 16384)
         kwargs.setdefault("quantization", "none")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from frontend_lang.chat_template import ChatTemplate, from_model
+from radixlm.lang.chat_template import ChatTemplate, from_model
 
 
 class BackendError(RuntimeError):

@@ -17,9 +17,9 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from frontend_lang.api import token_length_normalized
-from frontend_lang.backends.base import Backend, BackendError, Call
-from frontend_lang.chat_template import ChatTemplate, get_chat_template
+from radixlm.lang.api import token_length_normalized
+from radixlm.lang.backends.base import Backend, BackendError, Call
+from radixlm.lang.chat_template import ChatTemplate, get_chat_template
 
 _STANDARD = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "stop": "stop",
              "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty", "seed": "seed"}

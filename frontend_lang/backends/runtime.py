@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from frontend_lang.backends.base import Backend, BackendError, Call
-from runtime.engine import Engine
+from radixlm.lang.backends.base import Backend, BackendError, Call
+from radixlm.runtime.engine import Engine
 
 
 class Runtime(Backend):

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import orjson
 
-from frontend_lang.backends.base import Backend, BackendError, Call
+from radixlm.lang.backends.base import Backend, BackendError, Call
 
 
 class RuntimeEndpoint(Backend):

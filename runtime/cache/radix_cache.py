@@ -13,7 +13,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from runtime.cache.allocator import PageAllocator
+from radixlm.runtime.cache.allocator import PageAllocator
 
 
 class TreeNode:

@@ -44,8 +44,8 @@ def spawn() -> subprocess.Popen:
 
 
 def main() -> None:
-    from runtime.constrained.constraint_regex import GrammarError, build_index
-    from runtime.ipc import die_with_parent
+    from radixlm.runtime.constrained.constraint_regex import GrammarError, build_index
+    from radixlm.runtime.ipc import die_with_parent
 
     die_with_parent("radixlm-grammar")
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))

@@ -24,10 +24,10 @@ from typing import Callable, Sequence
 import torch
 from outlines_core import Guide, Vocabulary
 
-from runtime.constrained import compile_worker
-from runtime.constrained.constraint_regex import ConstraintKey, GrammarError, uses_end_mark
-from runtime.constrained.jump_forward import Grammar, JumpForward
-from runtime.sampling_params import CONSTRAINTS, SamplingParams
+from radixlm.runtime.constrained import compile_worker
+from radixlm.runtime.constrained.constraint_regex import ConstraintKey, GrammarError, uses_end_mark
+from radixlm.runtime.constrained.jump_forward import Grammar, JumpForward
+from radixlm.runtime.sampling_params import CONSTRAINTS, SamplingParams
 
 def constraint_key(params: SamplingParams) -> ConstraintKey | None:
     """(kind, text) of the request's constraint (validation leaves at most one), or None."""
@@ -228,7 +228,7 @@ def compiler_factory(tokenizer: object, vocab_size: int, eos_token_ids: Sequence
     """A zero-argument maker of the GrammarCompiler, for the scheduler to call on first use."""
 
     def make() -> GrammarCompiler:
-        from runtime.constrained.vocabulary import end_token_id, token_bytes, vocabulary_from_bytes
+        from radixlm.runtime.constrained.vocabulary import end_token_id, token_bytes, vocabulary_from_bytes
 
         if not eos_token_ids:
             raise ValueError("constrained decoding needs at least one EOS token id")

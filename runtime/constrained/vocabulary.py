@@ -44,7 +44,7 @@ from typing import Any
 
 from outlines_core import Vocabulary
 
-from runtime.constrained.constraint_regex import END_MARK
+from radixlm.runtime.constrained.constraint_regex import END_MARK
 
 SPIECE_SPACE = "\u2581"  # '▁', SentencePiece's visible stand-in for a space
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback token, e.g. '<0x0A>'

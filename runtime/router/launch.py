@@ -8,10 +8,10 @@ import sys
 
 import uvicorn
 
-from runtime.args import ServerArgs
-from runtime.launch import free_port
-from runtime.router.router import Router, create_router_app
-from runtime.server.launch_server import wait_until_serving
+from radixlm.runtime.args import ServerArgs
+from radixlm.runtime.launch import free_port
+from radixlm.runtime.router.router import Router, create_router_app
+from radixlm.runtime.server.launch_server import wait_until_serving
 
 log = logging.getLogger("radixlm.router")
 
@@ -37,5 +37,5 @@ def run_router(urls: list[str], dp_size: int, args: ServerArgs, policy: str, hos
 def start_replica(args: ServerArgs) -> tuple[str, subprocess.Popen]:
     """A `radixlm serve` on a free local port with these options; (its URL, its process)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--port", str(port), *args.to_cli_args()])
+    proc = subprocess.Popen([sys.executable, "-m", "radixlm.runtime.cli", "serve", "--port", str(port), *args.to_cli_args()])
     return f"http://127.0.0.1:{port}", proc

@@ -26,9 +26,9 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from runtime.router import POLICIES
-from runtime.router.prefix_tree import PrefixTree
-from runtime.server.http_server import (
+from radixlm.runtime.router import POLICIES
+from radixlm.runtime.router.prefix_tree import PrefixTree
+from radixlm.runtime.server.http_server import (
     MAX_REQUEST_BYTES, Guard, HTTPError, error_response, json_body, run_until_done,
 )
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from runtime.args import ServerArgs
-from runtime.scheduler.kv_manager import KVManager, pages_for
-from runtime.scheduler.policy import order_waiting, reserved_decode_tokens
-from runtime.scheduler.req import Req
+from radixlm.runtime.args import ServerArgs
+from radixlm.runtime.scheduler.kv_manager import KVManager, pages_for
+from radixlm.runtime.scheduler.policy import order_waiting, reserved_decode_tokens
+from radixlm.runtime.scheduler.req import Req
 
 log = logging.getLogger(__name__)
 

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.constrained.grammar import grammar_bitmask
-from runtime.scheduler.kv_manager import KVManager
-from runtime.scheduler.req import Req
-from runtime.utils import ragged_arange
-from runtime.worker.forward_batch import ForwardMode
-from runtime.worker.model_worker import WorkerBatch
-from runtime.worker.sampler import PenaltyCounts, SamplingBatch
+from radixlm.runtime.constrained.grammar import grammar_bitmask
+from radixlm.runtime.scheduler.kv_manager import KVManager
+from radixlm.runtime.scheduler.req import Req
+from radixlm.runtime.utils import ragged_arange
+from radixlm.runtime.worker.forward_batch import ForwardMode
+from radixlm.runtime.worker.model_worker import WorkerBatch
+from radixlm.runtime.worker.sampler import PenaltyCounts, SamplingBatch
 
 
 @dataclass

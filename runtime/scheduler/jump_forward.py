@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import logging
 
-from runtime.constrained.jump_forward import RETOKENIZE_TOKENS, Forced, JumpForward
-from runtime.scheduler.kv_manager import KVManager, pages_for
-from runtime.scheduler.req import Req
+from radixlm.runtime.constrained.jump_forward import RETOKENIZE_TOKENS, Forced, JumpForward
+from radixlm.runtime.scheduler.kv_manager import KVManager, pages_for
+from radixlm.runtime.scheduler.req import Req
 
 log = logging.getLogger(__name__)
 

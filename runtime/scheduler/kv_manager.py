@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from runtime.cache.allocator import PageAllocator
-from runtime.cache.kv_pool import ReqToTokenTable
-from runtime.cache.radix_cache import NoPrefixCache, PrefixCache, RadixCache
-from runtime.scheduler.req import Req
+from radixlm.runtime.cache.allocator import PageAllocator
+from radixlm.runtime.cache.kv_pool import ReqToTokenTable
+from radixlm.runtime.cache.radix_cache import NoPrefixCache, PrefixCache, RadixCache
+from radixlm.runtime.scheduler.req import Req
 
 
 def pages_for(tokens: int, page_size: int) -> int:

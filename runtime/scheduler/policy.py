@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable
 
-from runtime.scheduler.req import Req
+from radixlm.runtime.scheduler.req import Req
 
 # Ordering by prefix match costs a tree walk per waiting request; past this many
 # waiting requests the policies fall back to arrival order so a step stays cheap.

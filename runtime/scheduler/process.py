@@ -9,22 +9,22 @@ from multiprocessing.connection import Connection
 
 import zmq
 
-from runtime import ipc
-from runtime.args import ServerArgs
-from runtime.constrained.grammar import compiler_factory
-from runtime.messages import AbortRequest, BatchTokenOutput, ControlOutput, ControlRequest, TokenizedRequest, TokenOutput
-from runtime.sampling_params import SamplingParamsError
-from runtime.scheduler.scheduler import DeviceLost, RequestError, Scheduler
+from radixlm.runtime import ipc
+from radixlm.runtime.args import ServerArgs
+from radixlm.runtime.constrained.grammar import compiler_factory
+from radixlm.runtime.messages import AbortRequest, BatchTokenOutput, ControlOutput, ControlRequest, TokenizedRequest, TokenOutput
+from radixlm.runtime.sampling_params import SamplingParamsError
+from radixlm.runtime.scheduler.scheduler import DeviceLost, RequestError, Scheduler
 
 log = logging.getLogger("radixlm.scheduler")
 
 
 class SchedulerProcess:
     def __init__(self, args: ServerArgs, recv_from: str, send_to: str) -> None:
-        from runtime.tokenizer.loader import load_tokenizer
-        from runtime.worker.loader import resolve_model
-        from runtime.worker.model_worker import ModelWorker
-        from runtime.worker.tp_worker import init_group
+        from radixlm.runtime.tokenizer.loader import load_tokenizer
+        from radixlm.runtime.worker.loader import resolve_model
+        from radixlm.runtime.worker.model_worker import ModelWorker
+        from radixlm.runtime.worker.tp_worker import init_group
 
         source = resolve_model(args.model_path)
         tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source, args.tokenizer_path)

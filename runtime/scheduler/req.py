@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from runtime.messages import TokenizedRequest
+from radixlm.runtime.messages import TokenizedRequest
 
 
 class FinishKind(Enum):

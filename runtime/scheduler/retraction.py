@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from runtime.scheduler.admission import step_pages
-from runtime.scheduler.kv_manager import KVManager
-from runtime.scheduler.req import Req
+from radixlm.runtime.scheduler.admission import step_pages
+from radixlm.runtime.scheduler.kv_manager import KVManager
+from radixlm.runtime.scheduler.req import Req
 
 log = logging.getLogger(__name__)
 

@@ -19,17 +19,17 @@ from typing import Callable
 
 from outlines_core import Guide
 
-from runtime.args import ServerArgs
-from runtime.constrained.grammar import GrammarCompiler, GrammarError, constraint_key
-from runtime.constrained.jump_forward import RETOKENIZE_TOKENS
-from runtime.messages import TokenizedRequest, TokenOutput
-from runtime.scheduler.admission import Admitted, admit, step_budget
-from runtime.scheduler.batch import PenaltyTracker, ScheduledBatch, make_batch, sampling_batch, to_worker_batch
-from runtime.scheduler.jump_forward import JumpForwarder
-from runtime.scheduler.kv_manager import KVManager, pages_for
-from runtime.scheduler.req import Finish, FinishKind, Req
-from runtime.scheduler.retraction import make_room
-from runtime.worker.model_worker import ModelWorker, WorkerOutput
+from radixlm.runtime.args import ServerArgs
+from radixlm.runtime.constrained.grammar import GrammarCompiler, GrammarError, constraint_key
+from radixlm.runtime.constrained.jump_forward import RETOKENIZE_TOKENS
+from radixlm.runtime.messages import TokenizedRequest, TokenOutput
+from radixlm.runtime.scheduler.admission import Admitted, admit, step_budget
+from radixlm.runtime.scheduler.batch import PenaltyTracker, ScheduledBatch, make_batch, sampling_batch, to_worker_batch
+from radixlm.runtime.scheduler.jump_forward import JumpForwarder
+from radixlm.runtime.scheduler.kv_manager import KVManager, pages_for
+from radixlm.runtime.scheduler.req import Finish, FinishKind, Req
+from radixlm.runtime.scheduler.retraction import make_room
+from radixlm.runtime.worker.model_worker import ModelWorker, WorkerOutput
 
 log = logging.getLogger(__name__)
 

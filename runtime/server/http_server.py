@@ -14,10 +14,10 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from runtime.client import RequestFailed, RuntimeClient
-from runtime.messages import ClientOutput, GenerateRequest
-from runtime.native import GENERATE_BODY_SCHEMA, BadRequest, native_requests, native_result
-from runtime.server.metrics import Metrics
+from radixlm.runtime.client import RequestFailed, RuntimeClient
+from radixlm.runtime.messages import ClientOutput, GenerateRequest
+from radixlm.runtime.native import GENERATE_BODY_SCHEMA, BadRequest, native_requests, native_result
+from radixlm.runtime.server.metrics import Metrics
 
 log = logging.getLogger("radixlm.http")
 
@@ -133,8 +133,8 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
         out = [native_result(r) for r in results]
         return JSONResponse(out[0] if single else out)
 
-    from runtime.server.openai_api import add_openai_routes
-    from runtime.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+    from radixlm.runtime.server.openai_api import add_openai_routes
+    from radixlm.runtime.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 
     add_openai_routes(app, state)
     document_bodies(app, {

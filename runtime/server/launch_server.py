@@ -12,11 +12,11 @@ import time
 
 import uvicorn
 
-from runtime.args import ServerArgs
-from runtime.client import RuntimeClient
-from runtime.launch import RuntimeProcesses, launch_processes
-from runtime.worker.loader import resolve_model
-from runtime.server.http_server import MAX_REQUEST_BYTES, ServerState, create_app
+from radixlm.runtime.args import ServerArgs
+from radixlm.runtime.client import RuntimeClient
+from radixlm.runtime.launch import RuntimeProcesses, launch_processes
+from radixlm.runtime.worker.loader import resolve_model
+from radixlm.runtime.server.http_server import MAX_REQUEST_BYTES, ServerState, create_app
 
 log = logging.getLogger("radixlm.server")
 

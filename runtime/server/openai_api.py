@@ -14,10 +14,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from runtime.messages import GenerateRequest
-from runtime.server import openai_protocol as oa
-from runtime.native import native_requests, native_result
-from runtime.server.http_server import (
+from radixlm.runtime.messages import GenerateRequest
+from radixlm.runtime.server import openai_protocol as oa
+from radixlm.runtime.native import native_requests, native_result
+from radixlm.runtime.server.http_server import (
     HTTPError, ServerState, gather_outputs, json_body, merge_streams, run_until_done, sse, sse_response,
 )
 

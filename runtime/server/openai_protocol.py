@@ -30,7 +30,7 @@ from typing import Annotated, Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
-from runtime import tool_calls
+from radixlm.runtime import tool_calls
 
 MAX_N = 16  # choices per prompt; each one is a full sequence in the batch
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit

@@ -12,8 +12,8 @@ from typing import Any
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from runtime import tool_calls
-from runtime.worker.loader import ModelSource
+from radixlm.runtime import tool_calls
+from radixlm.runtime.worker.loader import ModelSource
 
 
 log = logging.getLogger(__name__)

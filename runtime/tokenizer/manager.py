@@ -17,18 +17,18 @@ from typing import Any
 
 import zmq
 
-from runtime import ipc
-from runtime.args import ServerArgs
-from runtime.constrained.choices import (
+from radixlm.runtime import ipc
+from radixlm.runtime.args import ServerArgs
+from radixlm.runtime.constrained.choices import (
     METHODS,
     ChoiceGroup,
     choice_boundary,
     greedy_run,
     result_meta,
 )
-from runtime.constrained.grammar import constraint_key
-from runtime.constrained.jump_forward import RETOKENIZE_TOKENS
-from runtime.messages import (
+from radixlm.runtime.constrained.grammar import constraint_key
+from radixlm.runtime.constrained.jump_forward import RETOKENIZE_TOKENS
+from radixlm.runtime.messages import (
     AbortRequest,
     BatchTokenOutput,
     ClientOutput,
@@ -38,9 +38,9 @@ from runtime.messages import (
     TokenizedRequest,
     TokenOutput,
 )
-from runtime.native import BadRequest
-from runtime.sampling_params import SamplingParams, SamplingParamsError
-from runtime.tokenizer.detokenizer import IncrementalDetokenizer
+from radixlm.runtime.native import BadRequest
+from radixlm.runtime.sampling_params import SamplingParams, SamplingParamsError
+from radixlm.runtime.tokenizer.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("radixlm.tokenizer")
 
@@ -68,8 +68,8 @@ class _InFlight:
 
 class TokenizerManager:
     def __init__(self, args: ServerArgs, client_addr: str, to_scheduler: str, from_scheduler: str) -> None:
-        from runtime.tokenizer.loader import load_tokenizer
-        from runtime.worker.loader import load_config, resolve_model
+        from radixlm.runtime.tokenizer.loader import load_tokenizer
+        from radixlm.runtime.worker.loader import load_config, resolve_model
 
         self.args = args
         source = resolve_model(args.model_path)
@@ -219,7 +219,7 @@ class TokenizerManager:
         return list(ids)
 
     def _chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
-        from runtime.tokenizer.loader import chat_prompt
+        from radixlm.runtime.tokenizer.loader import chat_prompt
 
         try:
             return chat_prompt(self.tokenizer, messages, tools)

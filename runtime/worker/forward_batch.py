@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from runtime.cache.kv_pool import KVPool, ReqToTokenTable
-    from runtime.worker.attention.base import AttentionBackend
+    from radixlm.runtime.cache.kv_pool import KVPool, ReqToTokenTable
+    from radixlm.runtime.worker.attention.base import AttentionBackend
 
 
 class ForwardMode(Enum):

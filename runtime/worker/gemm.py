@@ -23,8 +23,8 @@ from typing import Iterator, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from runtime.utils import best_time
-from runtime.worker.quant import Plan, QuantizedMatrix
+from radixlm.runtime.utils import best_time
+from radixlm.runtime.worker.quant import Plan, QuantizedMatrix
 
 log = logging.getLogger(__name__)
 

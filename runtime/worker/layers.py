@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.worker.gemm import linear
-from runtime.worker.loader import Weight
-from runtime.worker.parallel import TPContext
-from runtime.worker.quant import Blocks, QuantizedMatrix
+from radixlm.runtime.worker.gemm import linear
+from radixlm.runtime.worker.loader import Weight
+from radixlm.runtime.worker.parallel import TPContext
+from radixlm.runtime.worker.quant import Blocks, QuantizedMatrix
 
 
 def _param(shape: Sequence[int], loader: Callable[..., None]) -> nn.Parameter:

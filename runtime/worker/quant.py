@@ -40,8 +40,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from runtime.args import QUANT_GROUP_SIZES as GROUP_SIZES, QUANTIZATIONS as METHODS
-from runtime.utils import best_time
+from radixlm.runtime.args import QUANT_GROUP_SIZES as GROUP_SIZES, QUANTIZATIONS as METHODS
+from radixlm.runtime.utils import best_time
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from runtime.sampling_params import SamplingParams
+from radixlm.runtime.sampling_params import SamplingParams
 
 # Below this the softmax of logits / T overflows float32; T -> 0 is argmax anyway.
 _MIN_TEMPERATURE = 1e-5

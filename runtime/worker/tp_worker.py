@@ -20,9 +20,9 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from runtime.args import ServerArgs
-from runtime.worker.forward_batch import ForwardMode
-from runtime.worker.parallel import SINGLE, TPContext
+from radixlm.runtime.args import ServerArgs
+from radixlm.runtime.worker.forward_batch import ForwardMode
+from radixlm.runtime.worker.parallel import SINGLE, TPContext
 
 log = logging.getLogger("radixlm.tp")
 
@@ -57,7 +57,7 @@ def send_batch(b, table: torch.Tensor, tp: TPContext) -> None:
 def receive_batch(table: torch.Tensor, tp: TPContext):
     """Ranks 1..N-1: the next step's batch (without sampling: rank 0 samples); its rows of the
     req-to-token table are written into `table`."""
-    from runtime.worker.model_worker import WorkerBatch
+    from radixlm.runtime.worker.model_worker import WorkerBatch
 
     header = torch.empty(_HEADER, dtype=torch.int64, device=table.device)
     dist.broadcast(header, 0, group=tp.group)
@@ -76,9 +76,9 @@ def receive_batch(table: torch.Tensor, tp: TPContext):
 def run_follower(args: ServerArgs, rank: int, ready: Connection) -> None:
     """Entry point of a follower rank's process: load this rank's shards, then run every step rank 0
     sends until the group goes away."""
-    from runtime import ipc
-    from runtime.worker.loader import resolve_model
-    from runtime.worker.model_worker import ModelWorker
+    from radixlm.runtime import ipc
+    from radixlm.runtime.worker.loader import resolve_model
+    from radixlm.runtime.worker.model_worker import ModelWorker
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     ipc.die_with_parent(f"radixlm-tp{rank}")

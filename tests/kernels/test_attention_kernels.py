@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention import decode_attention, decode_attention_reference
-from kernels.extend_attention import extend_attention, extend_attention_reference
-from kernels.kv_store import store_kv, store_kv_reference
+from radixlm.kernels.decode_attention import decode_attention, decode_attention_reference
+from radixlm.kernels.extend_attention import extend_attention, extend_attention_reference
+from radixlm.kernels.kv_store import store_kv, store_kv_reference
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # ~ the output's rounding
 

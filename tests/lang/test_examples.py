@@ -12,7 +12,7 @@ import sys
 import jsonschema
 import pytest
 
-import frontend_lang as fl
+import radixlm as rl
 from server.conftest import ROOT, assert_kv_clean
 
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -27,7 +27,7 @@ def load(name: str):
 
 @pytest.fixture(scope="module")
 def endpoint(server):
-    backend = fl.RuntimeEndpoint(server.url)
+    backend = rl.RuntimeEndpoint(server.url)
     yield backend
     backend.shutdown()
 

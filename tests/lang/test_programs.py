@@ -9,7 +9,7 @@ import httpx
 import jsonschema
 import pytest
 
-import frontend_lang as fl
+import radixlm as rl
 from server.conftest import assert_kv_clean
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
@@ -18,29 +18,29 @@ SYSTEM = "<|im_start|>system\n{}<|im_end|>\n"
 
 @pytest.fixture(scope="module")
 def endpoint(server):
-    backend = fl.RuntimeEndpoint(server.url)
+    backend = rl.RuntimeEndpoint(server.url)
     yield backend
     backend.shutdown()
 
 
 @pytest.fixture(scope="module")
 def local_runtime():
-    backend = fl.Runtime(max_total_tokens=30000)
+    backend = rl.Runtime(max_total_tokens=30000)
     yield backend
     backend.shutdown()
 
 
-@fl.function
+@rl.function
 def interview(s, topic):
-    s += fl.system("You answer in one short sentence.")
-    s += fl.user(f"Tell me about {topic}.")
-    s += fl.assistant(fl.gen("fact", max_tokens=24))
-    s += fl.user("Is that true? Answer yes or no.")
-    s += fl.assistant(fl.select("verdict", ["yes", "no"]))
-    s += fl.user("Give a year.")
-    s += fl.assistant(fl.gen("year", regex=r"(1[5-9]|20)[0-9]{2}"))
-    s += fl.user("Describe it as JSON.")
-    s += fl.assistant(fl.gen("json", max_tokens=64, json_schema={
+    s += rl.system("You answer in one short sentence.")
+    s += rl.user(f"Tell me about {topic}.")
+    s += rl.assistant(rl.gen("fact", max_tokens=24))
+    s += rl.user("Is that true? Answer yes or no.")
+    s += rl.assistant(rl.select("verdict", ["yes", "no"]))
+    s += rl.user("Give a year.")
+    s += rl.assistant(rl.gen("year", regex=r"(1[5-9]|20)[0-9]{2}"))
+    s += rl.user("Describe it as JSON.")
+    s += rl.assistant(rl.gen("json", max_tokens=64, json_schema={
         "type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "old": {"type": "boolean"}},
         "required": ["name", "old"]}))
 
@@ -68,10 +68,10 @@ def test_greedy_programs_agree_across_backends_and_with_raw_generate(endpoint, l
 def test_default_system_prompt_matches_the_models_template(endpoint, server):
     """A chat without a system turn gets the one the model's own template inserts."""
 
-    @fl.function
+    @rl.function
     def ask(s):
-        s += fl.user("Hi!")
-        s += fl.assistant(fl.gen("reply", max_tokens=8, temperature=0))
+        s += rl.user("Hi!")
+        s += rl.assistant(rl.gen("reply", max_tokens=8, temperature=0))
 
     state = ask.run(backend=endpoint)
     rendered = httpx.post(server.url + "/generate", json={
@@ -82,17 +82,17 @@ def test_default_system_prompt_matches_the_models_template(endpoint, server):
 
 
 def test_fork_branches_share_the_prefix_and_run_in_parallel(endpoint, server):
-    @fl.function
+    @rl.function
     def branches(s):
-        s += fl.user("Name three colours of the rainbow, one per line, with a short reason for each.")
-        s += fl.assistant_begin()
+        s += rl.user("Name three colours of the rainbow, one per line, with a short reason for each.")
+        s += rl.assistant_begin()
         forks = s.fork(3)
         for i, f in enumerate(forks):
-            f += fl.gen("idea", max_tokens=12, temperature=1.0, seed=i)
+            f += rl.gen("idea", max_tokens=12, temperature=1.0, seed=i)
         forks.join()
         s.set_var("ideas", [f["idea"] for f in forks])
         s.set_var("cached", [f.get_meta_info("idea")["cached_tokens"] for f in forks])
-        s += fl.assistant_end()
+        s += rl.assistant_end()
 
     state = branches.run(backend=endpoint)
     shared = state.text()[: state.text().index("<|im_start|>assistant\n") + len("<|im_start|>assistant\n")]
@@ -113,12 +113,12 @@ def test_streaming_yields_the_variable_as_it_is_generated(endpoint):
 
 
 def test_run_batch_of_64_reports_each_programs_success(endpoint, server):
-    @fl.function
+    @rl.function
     def classify(s, n):
         if n % 16 == 5:
             raise ValueError(f"program {n} refuses")
-        s += fl.user(f"Is {n} an even number?")
-        s += fl.assistant(fl.select("answer", ["yes", "no"]))
+        s += rl.user(f"Is {n} an even number?")
+        s += rl.assistant(rl.select("answer", ["yes", "no"]))
 
     states = classify.run_batch([{"n": n} for n in range(64)], backend=endpoint, progress_bar=True)
     failed = [n for n, st in enumerate(states) if not st.success]
@@ -129,12 +129,12 @@ def test_run_batch_of_64_reports_each_programs_success(endpoint, server):
 
 
 def test_a_bad_request_fails_its_program_with_the_text_so_far(endpoint):
-    @fl.function
+    @rl.function
     def bad(s):
-        s += fl.user("Hello")
-        s += fl.assistant(fl.gen("x", regex="(unclosed"))
+        s += rl.user("Hello")
+        s += rl.assistant(rl.gen("x", regex="(unclosed"))
 
-    with pytest.raises(fl.ProgramError) as err:
+    with pytest.raises(rl.ProgramError) as err:
         bad.run(backend=endpoint)
     assert "regex" in str(err.value) and "<|im_start|>user\nHello" in err.value.text
 
@@ -143,50 +143,50 @@ def test_json_and_regex_outputs_validate(endpoint):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 15},
                                                "population": {"type": "integer"}}, "required": ["city", "population"]}
 
-    @fl.function
+    @rl.function
     def extract(s, text):
-        s += fl.user(f"Extract the city and population as JSON: {text}")
-        s += fl.assistant(fl.gen("data", max_tokens=48, json_schema=schema, temperature=1.0, seed=1))
-        s += fl.user("And its phone prefix?")
-        s += fl.assistant(fl.gen("phone", regex=r"\+[0-9]{2,3}"))
+        s += rl.user(f"Extract the city and population as JSON: {text}")
+        s += rl.assistant(rl.gen("data", max_tokens=48, json_schema=schema, temperature=1.0, seed=1))
+        s += rl.user("And its phone prefix?")
+        s += rl.assistant(rl.gen("phone", regex=r"\+[0-9]{2,3}"))
 
     state = extract.run(text="Lyon has 520000 inhabitants.", backend=endpoint)
     jsonschema.validate(json.loads(state["data"]), schema)
     assert re.fullmatch(r"\+[0-9]{2,3}", state["phone"])
 
 
-@fl.function
+@rl.function
 def chat_and_pick(s):
-    s += fl.system("You are a geography tutor.")
-    s += fl.user("What is the capital of Japan?")
-    s += fl.assistant(fl.gen("answer", max_tokens=20))
+    s += rl.system("You are a geography tutor.")
+    s += rl.user("What is the capital of Japan?")
+    s += rl.assistant(rl.gen("answer", max_tokens=20))
 
 
 def test_openai_backend_chat_model_equals_the_native_program(endpoint, server):
     native = chat_and_pick.run(backend=endpoint, temperature=0)
-    chat = chat_and_pick.run(backend=fl.OpenAI("default", base_url=server.url + "/v1"), temperature=0)
+    chat = chat_and_pick.run(backend=rl.OpenAI("default", base_url=server.url + "/v1"), temperature=0)
     assert chat["answer"] == native["answer"]
     assert chat.get_meta_info("answer")["prompt_tokens"] == native.get_meta_info("answer")["prompt_tokens"]
 
-    @fl.function
+    @rl.function
     def pick(s):
-        s += fl.user("Yes or no?")
-        s += fl.assistant(fl.select("x", ["yes", "no"]))
+        s += rl.user("Yes or no?")
+        s += rl.assistant(rl.select("x", ["yes", "no"]))
 
-    with pytest.raises(fl.ProgramError, match="chat completions do not return"):
-        pick.run(backend=fl.OpenAI("default", base_url=server.url + "/v1"))
+    with pytest.raises(rl.ProgramError, match="chat completions do not return"):
+        pick.run(backend=rl.OpenAI("default", base_url=server.url + "/v1"))
 
-    @fl.function
+    @rl.function
     def mid_turn(s):
-        s += fl.user("Hi")
-        s += fl.assistant("Well, " + fl.gen("x", max_tokens=4))
+        s += rl.user("Hi")
+        s += rl.assistant("Well, " + rl.gen("x", max_tokens=4))
 
-    with pytest.raises(fl.ProgramError, match="whole assistant turns"):
-        mid_turn.run(backend=fl.OpenAI("default", base_url=server.url + "/v1"))
+    with pytest.raises(rl.ProgramError, match="whole assistant turns"):
+        mid_turn.run(backend=rl.OpenAI("default", base_url=server.url + "/v1"))
 
 
 def test_openai_backend_completions_model_scores_select_by_echoed_logprobs(endpoint, server):
-    completions = fl.OpenAI("default", base_url=server.url + "/v1", is_chat_model=False, chat_template="chatml")
+    completions = rl.OpenAI("default", base_url=server.url + "/v1", is_chat_model=False, chat_template="chatml")
     via_openai = interview.run(topic="the Moon", backend=completions, temperature=0)
     native = interview.run(topic="the Moon", backend=endpoint, temperature=0)
     assert via_openai["fact"] == native["fact"]
@@ -199,7 +199,7 @@ def test_openai_backend_completions_model_scores_select_by_echoed_logprobs(endpo
 
 
 def test_runtime_attaches_to_a_running_server(endpoint, server):
-    attached = fl.Runtime(attach=server.url)
+    attached = rl.Runtime(attach=server.url)
     try:
         assert chat_and_pick.run(backend=attached, temperature=0)["answer"] == \
             chat_and_pick.run(backend=endpoint, temperature=0)["answer"]
@@ -208,4 +208,4 @@ def test_runtime_attaches_to_a_running_server(endpoint, server):
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     assert chat_and_pick.run(backend=endpoint, temperature=0)["answer"]
     with pytest.raises(ValueError, match="keeps the options"):
-        fl.Runtime(attach=server.url, page_size=4)
+        rl.Runtime(attach=server.url, page_size=4)

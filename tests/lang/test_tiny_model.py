@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-import frontend_lang as fl
+import radixlm as rl
 from conftest import make_tiny_checkpoint
 
 
@@ -19,26 +19,26 @@ def tiny_path(tmp_path_factory, smol_tokenizer):
     return path
 
 
-@fl.function
+@rl.function
 def primitives(s, question):
-    s += fl.user(question)
-    s += fl.assistant(fl.gen("free", max_tokens=8))
-    s += fl.user("Pick one.")
-    s += fl.assistant(fl.select("pick", ["red", "green", "blue"]))
-    s += fl.user("A number?")
-    s += fl.assistant(fl.gen_int("number", max_tokens=6))
-    s += fl.user("A code?")
-    s += fl.assistant(fl.gen("code", regex=r"[A-Z]{2}-[0-9]{3}"))
+    s += rl.user(question)
+    s += rl.assistant(rl.gen("free", max_tokens=8))
+    s += rl.user("Pick one.")
+    s += rl.assistant(rl.select("pick", ["red", "green", "blue"]))
+    s += rl.user("A number?")
+    s += rl.assistant(rl.gen_int("number", max_tokens=6))
+    s += rl.user("A code?")
+    s += rl.assistant(rl.gen("code", regex=r"[A-Z]{2}-[0-9]{3}"))
     forks = s.fork(2)
-    forks += fl.gen("branch", max_tokens=4)
+    forks += rl.gen("branch", max_tokens=4)
     forks.join()
     s.set_var("branches", [f["branch"] for f in forks])
 
 
 def test_primitives_on_a_tiny_random_model(tiny_path):
-    from runtime.local_engine import LocalEngine
+    from radixlm.runtime.local_engine import LocalEngine
 
-    backend = fl.Runtime(tiny_path, max_total_tokens=8192)
+    backend = rl.Runtime(tiny_path, max_total_tokens=8192)
     try:
         state = primitives.run(question="Hello?", backend=backend, temperature=0)
     finally:

@@ -13,7 +13,7 @@ import pytest
 from outlines_core import Guide
 
 from helpers import assert_drained, common_prefix
-from runtime.sampling_params import SamplingParamsError
+from radixlm.runtime.sampling_params import SamplingParamsError
 
 REGEXES = {
     "date": r"\d{4}-\d{2}-\d{2}",
@@ -135,8 +135,8 @@ def _assert_follows_the_constraint(engine, output_ids, constraint, jumps=()) -> 
     each of the request's `jumps` appended only what the constraint forced: from where the output
     stood, a fresh guide admits no text that does not begin with the appended bytes, and after an
     appended EOS nothing but EOS."""
-    from runtime.constrained.grammar import constraint_key
-    from runtime.sampling_params import SamplingParams
+    from radixlm.runtime.constrained.grammar import constraint_key
+    from radixlm.runtime.sampling_params import SamplingParams
 
     grammar = engine.scheduler.grammar.poll(constraint_key(SamplingParams.from_dict(constraint)))
     eos = engine.scheduler.eos_ids[0]
@@ -221,7 +221,7 @@ def test_a_float_may_take_its_decimals(smol):
 
 
 def test_a_structural_tag_holds_calls_to_their_schema_and_leaves_text_free(smol, monkeypatch):
-    from runtime import tool_calls
+    from radixlm.runtime import tool_calls
 
     engine = smol.engine
     jumps = _record_jumps(engine, monkeypatch)

@@ -15,8 +15,8 @@ import pytest
 from conftest import NEW_TOKENS
 from helpers import assert_drained
 from oracle import assert_matches
-from runtime.messages import TokenizedRequest
-from runtime.sampling_params import SamplingParams
+from radixlm.runtime.messages import TokenizedRequest
+from radixlm.runtime.sampling_params import SamplingParams
 
 NEW = 10
 

@@ -10,9 +10,9 @@ import pytest
 from conftest import TINY_VOCAB
 from helpers import assert_drained
 from oracle import LOGPROB_TOL, assert_matches, hf_logprobs
-from runtime.messages import TokenizedRequest
-from runtime.sampling_params import SamplingParams, SamplingParamsError
-from runtime.scheduler.scheduler import RequestError
+from radixlm.runtime.messages import TokenizedRequest
+from radixlm.runtime.sampling_params import SamplingParams, SamplingParamsError
+from radixlm.runtime.scheduler.scheduler import RequestError
 
 
 def _count_fed_tokens(engine) -> list[int]:
@@ -169,8 +169,8 @@ def test_bad_requests_raise_clear_errors(tiny_llama):
 
 
 def test_bad_model_paths(tmp_path):
-    from runtime.local_engine import LocalEngine
-    from runtime.worker.model_config import UnsupportedModelError
+    from radixlm.runtime.local_engine import LocalEngine
+    from radixlm.runtime.worker.model_config import UnsupportedModelError
 
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LocalEngine(str(tmp_path / "missing"))

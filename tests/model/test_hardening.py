@@ -11,9 +11,9 @@ import pytest
 from conftest import TINY_VOCAB
 from helpers import assert_drained
 from oracle import assert_matches, hf_greedy
-from runtime.messages import TokenizedRequest
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler.scheduler import RequestError
+from radixlm.runtime.messages import TokenizedRequest
+from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.scheduler.scheduler import RequestError
 
 GREEDY = dict(max_new_tokens=12, temperature=0)
 
@@ -104,8 +104,8 @@ def test_an_aborted_requests_compile_leaves_no_wait_behind(smol):
 def _fault_at(monkeypatch, engine, where: str, bad_token: int) -> None:
     """Make one part of batch building raise whenever a request whose prompt holds `bad_token`
     is in the batch."""
-    import runtime.scheduler.batch as batch_module
-    import runtime.scheduler.scheduler as scheduler_module
+    import radixlm.runtime.scheduler.batch as batch_module
+    import radixlm.runtime.scheduler.scheduler as scheduler_module
 
     sched = engine.scheduler
     if where == "page allocation":  # after the pages of the requests before it in the batch were taken
@@ -173,7 +173,7 @@ def test_a_fault_while_building_a_batch_fails_that_batch_alone(tiny_llama, monke
 
 def test_a_device_that_fails_its_probe_ends_the_scheduler(tiny_llama):
     """A fault the device does not survive is not a 500 to serve on: step raises DeviceLost."""
-    from runtime.scheduler.scheduler import DeviceLost
+    from radixlm.runtime.scheduler.scheduler import DeviceLost
 
     engine = tiny_llama.engine()
     worker = engine.worker
@@ -193,7 +193,7 @@ def test_a_device_that_fails_its_probe_ends_the_scheduler(tiny_llama):
 
 
 def test_the_probe_passes_a_healthy_cpu_and_fails_tensor_parallel_ranks(tiny_llama):
-    from runtime.worker.parallel import TPContext
+    from radixlm.runtime.worker.parallel import TPContext
 
     worker = tiny_llama.engine().worker
     assert worker.usable_after_fault()

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from helpers import assert_drained
-from runtime.local_engine import LocalEngine
-from runtime.worker.quant import Plan
+from radixlm.runtime.local_engine import LocalEngine
+from radixlm.runtime.worker.quant import Plan
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from benchmarks.quality import hf_logprobs, make_text, score  # noqa: E402
@@ -94,7 +94,7 @@ def test_deterministic_on_quantized_weights(smol):
 def test_tensor_parallel_ranks_serve_their_slices_of_the_codes(served):
     """TP=3 (SmolLM2 has 9 heads) quantizes each rank's rows (q/k/v, gate/up) and columns (o, down: the file's blocks
     sliced on their edges): its prompt logprobs agree with one rank's on the same codes."""
-    from runtime.engine import Engine
+    from radixlm.runtime.engine import Engine
 
     ids = served.tokenizer.encode("The capital of France is Paris. The capital of Italy is", add_special_tokens=False)
     kwargs = dict(input_ids=ids, sampling_params={"max_new_tokens": 4, "temperature": 0}, return_logprob=True,
@@ -122,7 +122,7 @@ def tiny_hf_int4(tiny_llama):
 
     import torch
 
-    from runtime.worker.quant import Blocks
+    from radixlm.runtime.worker.quant import Blocks
 
     hf = copy.deepcopy(tiny_llama.hf)
     with torch.no_grad():
@@ -168,7 +168,7 @@ def test_auto_keeps_dense_weights_where_the_codes_are_not_faster(smol, monkeypat
     dequantizes: the timing decides, not the file."""
     import torch
 
-    from runtime.worker import quant
+    from radixlm.runtime.worker import quant
 
     slow = quant.Timing(quant.PLAN_ROWS, codes=(9.0,) * 6, dense={torch.float32: (1.0,) * 6})
     monkeypatch.setattr(quant, "time_layer", lambda sample: slow)

@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from runtime import bench_serve
+from radixlm.runtime import bench_serve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKLOADS = ("one-stream", "no-sharing", "shared-prompts")

@@ -15,7 +15,7 @@ import torch
 
 from conftest import NEW_TOKENS
 from oracle import assert_matches
-from runtime.engine import Engine
+from radixlm.runtime.engine import Engine
 
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0}
 
@@ -54,7 +54,7 @@ def test_prompt_logprobs_agree_with_tp1(tiny_llama):
 
 
 def _serve(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "radixlm.runtime.cli", "serve", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -105,9 +105,9 @@ def test_a_rank_reads_only_its_shards(model, size, request, monkeypatch):
     shares are the right parts of the whole."""
     import gguf.quants
 
-    from runtime.worker import loader
-    from runtime.worker.models.llama import ARCHITECTURES
-    from runtime.worker.parallel import TPContext
+    from radixlm.runtime.worker import loader
+    from radixlm.runtime.worker.models.llama import ARCHITECTURES
+    from radixlm.runtime.worker.parallel import TPContext
 
     src = loader.resolve_model(request.getfixturevalue("tiny_llama").path if model.startswith("tiny") else None)
     cfg = loader.load_config(src)

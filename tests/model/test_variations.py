@@ -7,8 +7,8 @@ import pytest
 from oracle import assert_matches
 from conftest import NEW_TOKENS
 from helpers import assert_drained
-from runtime.messages import TokenizedRequest
-from runtime.sampling_params import SamplingParams
+from radixlm.runtime.messages import TokenizedRequest
+from radixlm.runtime.sampling_params import SamplingParams
 
 CONFIGS = {
     "page1-nochunk": dict(page_size=1, chunked_prefill_size=-1),
@@ -73,7 +73,7 @@ def test_same_tokens(tiny_llama, config, mode):
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_decode_length_buckets(tiny_llama, monkeypatch, page_size):
     """Decode batches split into length buckets (forced here: a bucket costs nothing) give the same tokens."""
-    from runtime.worker.attention import torch_backend
+    from radixlm.runtime.worker.attention import torch_backend
 
     monkeypatch.setattr(torch_backend, "BUCKET_COST_KEYS", 0)
     buckets = []
@@ -105,7 +105,7 @@ def test_dummy_weights_need_only_a_config(tiny_llama, tmp_path):
     directory holding config.json alone serves, deterministically for a seed."""
     import shutil
 
-    from runtime.local_engine import LocalEngine
+    from radixlm.runtime.local_engine import LocalEngine
 
     shutil.copy(f"{tiny_llama.path}/config.json", tmp_path / "config.json")
     outs = []

@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from runtime.launch import free_port
+from radixlm.runtime.launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,7 +33,7 @@ def all_gone(pids, timeout=10.0) -> bool:
 
 
 class LiveServer:
-    def __init__(self, *extra: str, launcher: tuple[str, ...] = ("-m", "runtime.cli"), port: int | None = None) -> None:
+    def __init__(self, *extra: str, launcher: tuple[str, ...] = ("-m", "radixlm.runtime.cli"), port: int | None = None) -> None:
         """`launcher`: what python runs, given the `serve ...` arguments (a test double can stand in)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -46,7 +46,7 @@ class LiveServer:
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 300) -> None:
-        from runtime.server.launch_server import wait_until_serving
+        from radixlm.runtime.server.launch_server import wait_until_serving
 
         try:
             wait_until_serving(self.url, self.proc, timeout)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import sys
 
-from runtime.worker.model_worker import ModelWorker
-from runtime.worker.sampler import SamplingBatch
+from radixlm.runtime.worker.model_worker import ModelWorker
+from radixlm.runtime.worker.sampler import SamplingBatch
 
 RADIXLM_CHILDREN_RUN_MAIN = True  # runtime/launch.py: the spawned processes run this file first
 
@@ -46,6 +46,6 @@ if __name__ in ("__main__", "__mp_main__"):
     SamplingBatch.build = staticmethod(_faulty_build)
 
 if __name__ == "__main__":
-    from runtime.cli import main
+    from radixlm.runtime.cli import main
 
     sys.exit(main())

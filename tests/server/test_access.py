@@ -9,7 +9,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from runtime.server.http_server import ServerState, create_app
+from radixlm.runtime.server.http_server import ServerState, create_app
 
 
 class StandInClient:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from runtime import bench_serve, cli
+from radixlm.runtime import bench_serve, cli
 from server.conftest import assert_kv_clean
 
 

@@ -27,7 +27,7 @@ def _hf_normalised(smol, prompt_ids, full_ids, start):
 
 @pytest.mark.parametrize("question,choices", CASES)
 def test_choice_equals_hf_argmax(server, smol, question, choices):
-    from runtime.constrained.choices import choice_boundary
+    from radixlm.runtime.constrained.choices import choice_boundary
 
     prompt = CHAT.format(question)
     res = httpx.post(server.url + "/generate", json={"text": prompt, "sampling_params": {"choices": choices}},
@@ -57,7 +57,7 @@ def test_unconditional_method_and_bad_choices(server):
 
 
 def test_greedy_token_method_follows_hf_argmax(server, smol):
-    from runtime.constrained.choices import choice_boundary
+    from radixlm.runtime.constrained.choices import choice_boundary
 
     prompt = CHAT.format("What is the capital of France?")
     choices = ["The capital of France is Paris.", "Paris", "I don't know."]

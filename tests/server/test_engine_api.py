@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from runtime.client import RequestFailed
-from runtime.engine import Engine
-from runtime.native import BadRequest
+from radixlm.runtime.client import RequestFailed
+from radixlm.runtime.engine import Engine
+from radixlm.runtime.native import BadRequest
 
 
 @pytest.fixture(scope="module")

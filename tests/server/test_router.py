@@ -24,10 +24,10 @@ def replicas(tiny_llama):
 
 
 def start_router(urls: list[str], policy: str) -> tuple[str, subprocess.Popen]:
-    from runtime.server.launch_server import wait_until_serving
+    from radixlm.runtime.server.launch_server import wait_until_serving
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "router", "--worker-urls", *urls, "--policy", policy,
+    proc = subprocess.Popen([sys.executable, "-m", "radixlm.runtime.cli", "router", "--worker-urls", *urls, "--policy", policy,
                              "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     wait_until_serving(url, proc, timeout=60)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.cache.allocator import PageAllocator
+from radixlm.runtime.cache.allocator import PageAllocator
 
 
 def test_alloc_and_free_move_counts() -> None:

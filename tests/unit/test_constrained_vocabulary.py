@@ -10,7 +10,7 @@ from outlines_core.json_schema import build_regex_from_schema
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from runtime.constrained.vocabulary import (
+from radixlm.runtime.constrained.vocabulary import (
     build_vocabulary,
     byte_level_to_bytes,
     detect_style,

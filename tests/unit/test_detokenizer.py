@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from runtime.tokenizer.detokenizer import IncrementalDetokenizer
+from radixlm.runtime.tokenizer.detokenizer import IncrementalDetokenizer
 
 ASCII = "The quick brown fox jumps over the lazy dog. It's 42 degrees, isn't it?\n  Indented  line\twith tabs."
 MULTIBYTE = "Café crème, naïve façade 😀🎉👍🏽 日本語のテキスト 한국어 Ελληνικά — “quotes” ∑∫√ 🇫🇷!"

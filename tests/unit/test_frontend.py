@@ -6,12 +6,12 @@ import threading
 
 import pytest
 
-import frontend_lang as fl
-from frontend_lang.chat_template import CHATML, PLAIN, from_model
-from frontend_lang.interpreter import constant_prefix
+import radixlm as rl
+from radixlm.lang.chat_template import CHATML, PLAIN, from_model
+from radixlm.lang.interpreter import constant_prefix
 
 
-class Scripted(fl.Backend):
+class Scripted(rl.Backend):
     """Answers every gen with `reply`, records every body, picks the last choice."""
 
     def __init__(self, reply: str = "ok", template=CHATML) -> None:
@@ -43,14 +43,14 @@ class Scripted(fl.Backend):
         return self._template
 
 
-@fl.function
+@rl.function
 def chat(s, q):
-    s += fl.system("Be brief.")
-    s += fl.user("Q: " + q)
-    s += fl.assistant(fl.gen("a", max_tokens=5, stop="\n"))
+    s += rl.system("Be brief.")
+    s += rl.user("Q: " + q)
+    s += rl.assistant(rl.gen("a", max_tokens=5, stop="\n"))
     with s.user():
         s += "Again?"
-    s += fl.assistant(fl.select("b", ["no", "yes"]))
+    s += rl.assistant(rl.select("b", ["no", "yes"]))
 
 
 def test_roles_gens_and_selects_render_and_record():
@@ -74,14 +74,14 @@ def test_streamed_state_yields_pieces_and_equals_the_whole_run():
 
 
 def test_errors_carry_the_text_so_far():
-    @fl.function
+    @rl.function
     def broken(s):
-        s += fl.user("hi")
-        s += fl.user("nested") + fl.assistant("x")  # fine
-        s += fl.user_begin()
-        s += fl.assistant_begin()  # a turn inside a turn
+        s += rl.user("hi")
+        s += rl.user("nested") + rl.assistant("x")  # fine
+        s += rl.user_begin()
+        s += rl.assistant_begin()  # a turn inside a turn
 
-    with pytest.raises(fl.ProgramError) as err:
+    with pytest.raises(rl.ProgramError) as err:
         broken.run(backend=Scripted())
     assert "inside the unfinished user turn" in str(err.value)
     assert err.value.text.endswith("<|im_start|>user\n")
@@ -90,13 +90,13 @@ def test_errors_carry_the_text_so_far():
 def test_run_batch_isolates_failures_and_caches_the_constant_prefix_once():
     backend = Scripted()
 
-    @fl.function
+    @rl.function
     def prog(s, n):
-        s += fl.system("Shared instructions. " * 5)
-        s += fl.user(f"Number {n}")
+        s += rl.system("Shared instructions. " * 5)
+        s += rl.user(f"Number {n}")
         if n == 2:
             raise RuntimeError("two")
-        s += fl.assistant(fl.gen("a"))
+        s += rl.assistant(rl.gen("a"))
 
     states = prog.run_batch([{"n": n} for n in range(5)], backend=backend)
     assert [st.success for st in states] == [True, True, False, True, True]
@@ -104,7 +104,7 @@ def test_run_batch_isolates_failures_and_caches_the_constant_prefix_once():
 
 
 def test_constant_prefix_is_empty_when_arguments_are_not_text():
-    @fl.function
+    @rl.function
     def arithmetic(s, n):
         s += f"{n + 1}"
 
@@ -114,11 +114,11 @@ def test_constant_prefix_is_empty_when_arguments_are_not_text():
 def test_fork_sends_the_prefix_once_and_branches_diverge():
     backend = Scripted("r")
 
-    @fl.function
+    @rl.function
     def tree(s):
         s += "Root. "
         forks = s.fork(2)
-        forks += fl.gen("x")
+        forks += rl.gen("x")
         forks[1] += " more"
         forks.join()
         s.set_var("texts", [f.text() for f in forks])
@@ -133,16 +133,16 @@ def test_chat_template_from_the_models_jinja(smol_tokenizer):
     assert t.name == "chatml" and t.default_system and "SmolLM" in t.default_system
     assert from_model(None) is PLAIN
     with pytest.raises(ValueError, match="chatml"):
-        fl.get_chat_template("nope")
+        rl.get_chat_template("nope")
 
 
 def test_gen_arguments_map_to_native_sampling_params():
-    g = fl.gen("x", max_tokens=3, min_tokens=1, stop="\n", dtype=int, json_schema={"type": "integer"})
+    g = rl.gen("x", max_tokens=3, min_tokens=1, stop="\n", dtype=int, json_schema={"type": "integer"})
     assert g.params == {"max_new_tokens": 3, "min_new_tokens": 1, "stop": ["\n"], "dtype": "int",
                         "json_schema": '{"type": "integer"}'}
-    assert isinstance(fl.gen("y", choices=["a", "b"]), type(fl.select("y", ["a", "b"])))
+    assert isinstance(rl.gen("y", choices=["a", "b"]), type(rl.select("y", ["a", "b"])))
     with pytest.raises(ValueError):
-        fl.select("z", [])
+        rl.select("z", [])
     with pytest.raises(TypeError, match="run"):
         chat("not a state", "q")
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from outlines_core import Guide
 
-from runtime.constrained.grammar import GrammarCompiler, GrammarError, apply_bitmask, grammar_bitmask
-from runtime.constrained.vocabulary import end_token_id, vocabulary_from_bytes
+from radixlm.runtime.constrained.grammar import GrammarCompiler, GrammarError, apply_bitmask, grammar_bitmask
+from radixlm.runtime.constrained.vocabulary import end_token_id, vocabulary_from_bytes
 
 TOKENS = {"a": 1, "b": 2, "ab": 3, "1": 4, "2": 5, "{": 6, "}": 7, '"': 8, ".": 9, "x": 40, "y": 70}
 VOCAB = 80  # wider than 64 so rows span three mask words
@@ -129,7 +129,7 @@ def test_date_time_and_time_formats_require_an_offset():
     import json
     import re
 
-    from runtime.constrained.constraint_regex import to_regex
+    from radixlm.runtime.constrained.constraint_regex import to_regex
 
     rx = to_regex(("json_schema", json.dumps({"type": "string", "format": "date-time"})))
     assert re.fullmatch(rx, '"2008-07-18T00:00:00Z"') and re.fullmatch(rx, '"2008-07-18T23:59:01.5+02:00"')

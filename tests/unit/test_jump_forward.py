@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from outlines_core import Guide
 
-from runtime.constrained.constraint_regex import build_index
+from radixlm.runtime.constrained.constraint_regex import build_index
 
-from runtime.constrained.grammar import compiler_factory
-from runtime.constrained.jump_forward import Grammar
+from radixlm.runtime.constrained.grammar import compiler_factory
+from radixlm.runtime.constrained.jump_forward import Grammar
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.worker.loader import _unpermute_rows, default_model_path, gguf_to_hf_name, resolve_model
-from runtime.worker.model_config import ModelConfig, UnsupportedModelError
+from radixlm.runtime.worker.loader import _unpermute_rows, default_model_path, gguf_to_hf_name, resolve_model
+from radixlm.runtime.worker.model_config import ModelConfig, UnsupportedModelError
 
 
 def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -72,7 +72,7 @@ def test_gguf_slices_equal_the_slices_of_the_whole_tensor():
     equals the same part of the whole tensor, dequantized and un-permuted in one go."""
     from gguf.quants import dequantize
 
-    from runtime.worker.loader import _gguf_reader, _iter_gguf, load_config
+    from radixlm.runtime.worker.loader import _gguf_reader, _iter_gguf, load_config
 
     src = resolve_model(None)
     config = load_config(src)
@@ -109,7 +109,7 @@ def test_gguf_tensor_slices_of_any_type_and_rank(shape, qtype):
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
-    from runtime.worker.loader import GGUFTensor
+    from radixlm.runtime.worker.loader import GGUFTensor
 
     kind = GGMLQuantizationType[qtype]
     values = np.random.default_rng(1).standard_normal(shape).astype(np.float32)

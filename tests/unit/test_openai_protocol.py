@@ -7,7 +7,7 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import ValidationError
 
-from runtime.server.openai_protocol import (
+from radixlm.runtime.server.openai_protocol import (
     MAX_N,
     MIN_LOGPROB,
     ChatCompletionRequest,
@@ -418,7 +418,7 @@ def test_tool_requests_are_checked(fields, fragment) -> None:
 
 
 def test_tool_choice_sets_the_constraint_and_the_tools_reach_the_template() -> None:
-    from runtime import tool_calls
+    from radixlm.runtime import tool_calls
 
     assert chat().tool_mode == "none" and chat(tools=[ADD]).tool_mode == "auto"
     auto = chat_to_generate(chat(tools=[ADD, PING]), "p")
@@ -449,7 +449,7 @@ def test_past_calls_reach_the_template_with_object_arguments() -> None:
 
 
 def _tool_response(req: ChatCompletionRequest, text: str, finish: str = "stop") -> dict:
-    from runtime.server.openai_protocol import ToolReader
+    from radixlm.runtime.server.openai_protocol import ToolReader
 
     body = chat_response([result(text, [1], 5, finish={"type": finish})], "m", "r", False, 0, decode, ToolReader.of(req))
     ChatCompletion.model_validate(body)
@@ -487,7 +487,7 @@ def test_a_chat_response_carries_the_calls() -> None:
     ("auto", ["Sum", ":<tool", '_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>']),
 ])
 def test_streamed_calls_add_up_to_the_whole_answer(tool_choice, pieces) -> None:
-    from runtime.server.openai_protocol import ToolReader
+    from radixlm.runtime.server.openai_protocol import ToolReader
 
     req = chat(tools=[ADD, PING], tool_choice=tool_choice)
     whole = _tool_response(req, "".join(pieces))
@@ -509,7 +509,7 @@ def test_streamed_calls_add_up_to_the_whole_answer(tool_choice, pieces) -> None:
 
 
 def test_strict_tools_under_auto_hold_opened_calls_to_their_schemas() -> None:
-    from runtime import tool_calls
+    from radixlm.runtime import tool_calls
 
     strict_add = {"type": "function", "function": {**ADD["function"], "strict": True}}
     params = chat_to_generate(chat(tools=[strict_add, PING]), "p")["sampling_params"]

@@ -6,11 +6,11 @@ import random
 
 import torch
 
-from runtime.messages import TokenizedRequest
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler.batch import PenaltyTracker
-from runtime.scheduler.req import Req
-from runtime.worker.sampler import SamplingBatch
+from radixlm.runtime.messages import TokenizedRequest
+from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.scheduler.batch import PenaltyTracker
+from radixlm.runtime.scheduler.req import Req
+from radixlm.runtime.worker.sampler import SamplingBatch
 
 VOCAB = 64
 

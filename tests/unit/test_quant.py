@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.args import ServerArgs
-from runtime.worker import quant
-from runtime.worker.loader import GGUFTensor
+from radixlm.runtime.args import ServerArgs
+from radixlm.runtime.worker import quant
+from radixlm.runtime.worker.loader import GGUFTensor
 
 BF16 = torch.bfloat16
 

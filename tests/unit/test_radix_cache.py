@@ -9,8 +9,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from runtime.cache.allocator import PageAllocator
-from runtime.cache.radix_cache import NoPrefixCache, PrefixCache, RadixCache, TreeNode
+from radixlm.runtime.cache.allocator import PageAllocator
+from radixlm.runtime.cache.radix_cache import NoPrefixCache, PrefixCache, RadixCache, TreeNode
 
 
 def pages_to_slots(pages: torch.Tensor, page_size: int) -> torch.Tensor:

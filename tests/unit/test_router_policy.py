@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from runtime.router.prefix_tree import PrefixTree
-from runtime.router.router import Router, routing_key
+from radixlm.runtime.router.prefix_tree import PrefixTree
+from radixlm.runtime.router.router import Router, routing_key
 
 
 def test_prefix_tree_matches_splits_and_trims_least_recent_first():
@@ -52,7 +52,7 @@ def test_round_robin_alternates():
 def test_the_router_takes_the_servers_api_key_and_body_limit():
     from fastapi.testclient import TestClient
 
-    from runtime.router.router import create_router_app
+    from radixlm.runtime.router.router import create_router_app
 
     client = TestClient(create_router_app(Router(["http://127.0.0.1:9"]), api_key="k", max_request_bytes=100))
     assert client.post("/generate", json={"text": "hi"}).status_code == 401

@@ -6,8 +6,8 @@ from typing import Sequence
 import pytest
 import torch
 
-from runtime.sampling_params import SamplingParams
-from runtime.worker.sampler import (
+from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.worker.sampler import (
     Sampler,
     SamplingBatch,
     apply_logit_processors,

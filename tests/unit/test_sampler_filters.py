@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from runtime.sampling_params import SamplingParams
-from runtime.worker.sampler import Sampler, SamplingBatch, filter_probs, top_k_candidates
+from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.worker.sampler import Sampler, SamplingBatch, filter_probs, top_k_candidates
 
 VOCAB = 300
 

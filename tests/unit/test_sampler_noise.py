@@ -9,8 +9,8 @@ from typing import Callable
 import pytest
 import torch
 
-from runtime.sampling_params import SamplingParams
-from runtime.worker.sampler import Sampler, SamplingBatch, _exponential_noise, counter_uniform, mix64
+from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.worker.sampler import Sampler, SamplingBatch, _exponential_noise, counter_uniform, mix64
 
 MASK = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15

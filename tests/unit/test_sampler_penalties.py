@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 import torch
 
-from runtime.sampling_params import SamplingParams
-from runtime.worker.sampler import PenaltyCounts, SamplingBatch
+from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.worker.sampler import PenaltyCounts, SamplingBatch
 
 VOCAB = 97
 

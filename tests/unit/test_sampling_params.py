@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from runtime.sampling_params import SamplingParams, SamplingParamsError
+from radixlm.runtime.sampling_params import SamplingParams, SamplingParamsError
 
 
 def test_none_and_empty_give_defaults() -> None:

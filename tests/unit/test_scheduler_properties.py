@@ -17,12 +17,12 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from runtime.args import SCHEDULE_POLICIES, ServerArgs
-from runtime.cache.kv_pool import ReqToTokenTable
-from runtime.messages import TokenizedRequest
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler.scheduler import Scheduler
-from runtime.worker.model_worker import WorkerOutput
+from radixlm.runtime.args import SCHEDULE_POLICIES, ServerArgs
+from radixlm.runtime.cache.kv_pool import ReqToTokenTable
+from radixlm.runtime.messages import TokenizedRequest
+from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.scheduler.scheduler import Scheduler
+from radixlm.runtime.worker.model_worker import WorkerOutput
 
 VOCAB, EOS, CONTEXT = 50, 0, 96
 _MOD = 1_000_003

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from outlines_core import Guide
 
-from runtime.constrained.constraint_regex import GrammarError, text_without, to_regex
-from runtime.constrained.grammar import GrammarCompiler, apply_bitmask, grammar_bitmask
-from runtime.constrained.vocabulary import end_token_id, vocabulary_from_bytes
+from radixlm.runtime.constrained.constraint_regex import GrammarError, text_without, to_regex
+from radixlm.runtime.constrained.grammar import GrammarCompiler, apply_bitmask, grammar_bitmask
+from radixlm.runtime.constrained.vocabulary import end_token_id, vocabulary_from_bytes
 
 TOKENS = ["<", "c", ">", "<c>", "1", "2", "}", "x", " "]
 EOS = 0

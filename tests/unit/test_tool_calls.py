@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime import tool_calls
-from runtime.constrained.constraint_regex import to_regex
-from runtime.tool_calls import AutoStream, for_template, parse_auto
+from radixlm.runtime import tool_calls
+from radixlm.runtime.constrained.constraint_regex import to_regex
+from radixlm.runtime.tool_calls import AutoStream, for_template, parse_auto
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -157,7 +157,7 @@ def test_conversations_without_tools_are_untouched():
 
 
 def test_rendering_with_smollm2s_template(smol_tokenizer):
-    from runtime.tokenizer.loader import chat_prompt
+    from radixlm.runtime.tokenizer.loader import chat_prompt
 
     messages = [{"role": "user", "content": "Weather in Oslo?"},
                 {"role": "assistant", "content": None, "tool_calls": [

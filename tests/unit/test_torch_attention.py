@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.cache.kv_pool import KVPool, ReqToTokenTable
-from runtime.worker.attention import torch_backend
-from runtime.worker.attention.torch_backend import TorchAttention
-from runtime.worker.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.cache.kv_pool import KVPool, ReqToTokenTable
+from radixlm.runtime.worker.attention import torch_backend
+from radixlm.runtime.worker.attention.torch_backend import TorchAttention
+from radixlm.runtime.worker.forward_batch import ForwardBatch, ForwardMode
 
 HEADS, KV_HEADS, DIM, SLOTS = 6, 2, 16, 4096
 

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from runtime.worker.forward_batch import ForwardBatch
+from radixlm.runtime.worker.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

@@ -17,10 +17,10 @@ from typing import NamedTuple
 
 import torch
 
-from runtime.utils import ragged_arange
-from runtime.worker.attention.base import AttentionBackend
-from runtime.worker.attention.torch_backend import gather
-from runtime.worker.forward_batch import ForwardBatch
+from radixlm.runtime.utils import ragged_arange
+from radixlm.runtime.worker.attention.base import AttentionBackend
+from radixlm.runtime.worker.attention.torch_backend import gather
+from radixlm.runtime.worker.forward_batch import ForwardBatch
 
 KEY_BLOCK = 64
 # queries attended at once: bounds the memory of the gathered keys; the result does not depend on it

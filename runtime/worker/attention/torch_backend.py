@@ -29,9 +29,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from runtime.utils import ragged_arange
-from runtime.worker.attention.base import AttentionBackend
-from runtime.worker.forward_batch import ForwardBatch
+from radixlm.runtime.utils import ragged_arange
+from radixlm.runtime.worker.attention.base import AttentionBackend
+from radixlm.runtime.worker.forward_batch import ForwardBatch
 
 # Shortest common prefix worth the cascade's second pass (tokens).
 CASCADE_MIN_PREFIX = 32

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.common import interpreting
-from runtime.worker.attention.base import AttentionBackend
-from runtime.worker.forward_batch import ForwardBatch, ForwardMode
+from radixlm.kernels.common import interpreting
+from radixlm.runtime.worker.attention.base import AttentionBackend
+from radixlm.runtime.worker.forward_batch import ForwardBatch, ForwardMode
 
 # context splits per request in decode (merged in a second, tiny kernel); the interpreter runs
 # each program in Python, so there fewer is faster
@@ -22,9 +22,9 @@ class TritonAttention(AttentionBackend):
         if device.type != "cuda" and not interpreting():
             raise RuntimeError("the triton attention backend needs CUDA, or on a CPU Triton's interpreter: "
                                "set TRITON_INTERPRET=1 before starting (slow; for tests), or use --attention-backend torch")
-        from kernels.decode_attention import decode_attention
-        from kernels.extend_attention import extend_attention
-        from kernels.kv_store import store_kv
+        from radixlm.kernels.decode_attention import decode_attention
+        from radixlm.kernels.extend_attention import extend_attention
+        from radixlm.kernels.kv_store import store_kv
 
         self._decode, self._extend, self._store = decode_attention, extend_attention, store_kv
 

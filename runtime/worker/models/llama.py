@@ -12,17 +12,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.worker.forward_batch import ForwardBatch
-from runtime.worker.layers import (
+from radixlm.runtime.worker.forward_batch import ForwardBatch
+from radixlm.runtime.worker.layers import (
     MergedColumnLinear,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from runtime.worker.model_config import ModelConfig
-from runtime.worker.loader import Weight
-from runtime.worker.parallel import TPContext
+from radixlm.runtime.worker.model_config import ModelConfig
+from radixlm.runtime.worker.loader import Weight
+from radixlm.runtime.worker.parallel import TPContext
 
 
 class Attention(nn.Module):

@@ -1,0 +1,5 @@
+"""`python -m radixlm ...` is the `radixlm` command."""
+
+from radixlm.runtime.cli import main
+
+main()
