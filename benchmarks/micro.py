@@ -9,7 +9,9 @@ machine's roofline against SmolLM2's decode step, and the sampler's cost per ste
    loop of 32, cache on against off);
 3. roofline: measured memory bandwidth and fp32 matmul rate; SmolLM2's decode step at batch
    1 / 8 / 32 against the floor max(weight bytes / bandwidth, FLOPs / matmul rate);
-4. sampler: building a step's sampling tensors and sampling [32, 49152] logits, per setting.
+4. sampler: building a step's sampling tensors and sampling [32, 49152] logits, per setting;
+5. SGLang's native API: a stream's chunks holding everything so far against only what is new,
+   and a `stop_regex` check per request per step.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import sys
 import time
 from types import SimpleNamespace
@@ -29,7 +32,8 @@ from radixlm.runtime.args import ServerArgs  # noqa: E402
 from radixlm.runtime.cache.allocator import PageAllocator  # noqa: E402
 from radixlm.runtime.cache.kv_pool import ReqToTokenTable  # noqa: E402
 from radixlm.runtime.cache.radix_cache import RadixCache  # noqa: E402
-from radixlm.runtime.messages import TokenizedRequest  # noqa: E402
+from radixlm.runtime.messages import ClientOutput, TokenizedRequest  # noqa: E402
+from radixlm.runtime.native import CumulativeStream, native_result  # noqa: E402
 from radixlm.runtime.sampling_params import SamplingParams  # noqa: E402
 from radixlm.runtime.scheduler.scheduler import Scheduler  # noqa: E402
 from radixlm.runtime.worker.model_worker import WorkerOutput  # noqa: E402
@@ -190,6 +194,50 @@ def sampler_rows(calls: int, rng: random.Random) -> list[str]:
     return rows
 
 
+# ---- 5. SGLang's native API ---------------------------------------------------------------------
+
+def native_rows(tokens: int, calls: int) -> list[str]:
+    """A `tokens`-token stream's chunks built and serialised (orjson, as the server sends them):
+    deltas against SGLang's everything-so-far (`CumulativeStream`), the best of `calls`."""
+    import orjson
+
+    outs = [ClientOutput("r", " word", [1000 + i], {"id": "r", "prompt_tokens": 100, "completion_tokens": i + 1,
+                                                     "cached_tokens": 0, "finish_reason": None}) for i in range(tokens)]
+
+    def deltas() -> None:
+        for o in outs:
+            orjson.dumps(native_result(o))
+
+    def cumulative() -> None:
+        chunks = CumulativeStream()
+        for o in outs:
+            orjson.dumps(chunks.chunk(o))
+
+    return [f"| stream chunks, {name} | {tokens} | {min(timed(fn) for _ in range(calls)) / tokens * 1e6:.1f} |"
+            for name, fn in (("only what is new", deltas), ("everything so far", cumulative))]
+
+
+def stop_regex_rows(calls: int) -> list[str]:
+    """The scheduler's `stop_regex` check: decode a request's last n ids (SmolLM2's tokenizer),
+    keep the last 256 characters, search; the mean of `calls`."""
+    from radixlm.runtime.tokenizer.loader import load_tokenizer
+    from radixlm.runtime.worker.loader import resolve_model
+
+    tok = load_tokenizer(resolve_model(None), None)
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 60, add_special_tokens=False)
+    rows = []
+    for n in (32, 256):
+        tail = ids[-n:]
+
+        def check() -> None:
+            for _ in range(calls):
+                re.search(r"\d{3}-\d{4}", tok.decode(tail, skip_special_tokens=False)[-256:])
+
+        check()  # warm up
+        rows.append(f"| stop_regex check | {n} | {timed(check) / calls * 1e6:.1f} |")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (CI: proves the script works)")
@@ -214,6 +262,9 @@ def main() -> None:
     print("\n## Sampler per step (batch 32, vocabulary 49152)\n")
     print("| setting | context tokens | build ms | sample ms |\n|---|---|---|---|",
           *sampler_rows(3 if args.quick else 20, rng), sep="\n")
+    print("\n## SGLang's native API, per chunk or per request per step\n")
+    print("| what | tokens | µs |\n|---|---|---|", *native_rows(64 if args.quick else 512, 5),
+          *stop_regex_rows(10 if args.quick else 200), sep="\n")
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ def score(engine: LocalEngine, ids: list[int], ref: torch.Tensor) -> dict[str, f
     out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
                           return_logprob=True, logprob_start_len=0, top_logprobs_num=1)
     meta = out["meta_info"]
-    own = torch.tensor([lp for lp, _ in meta["input_token_logprobs"][1:]])
+    own = torch.tensor([lp for lp, *_ in meta["input_token_logprobs"][1:]])
     top = torch.tensor([entry[0][1] for entry in meta["input_top_logprobs"][1:]])
     targets = torch.tensor(ids[1:])
     ref_own = ref.gather(1, targets[:, None]).squeeze(1)

@@ -7,10 +7,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm.runtime.reasoning import reasoning_format
+
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof")
 ATTENTION_BACKENDS = ("torch", "triton")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 QUANT_GROUP_SIZES = (32, 64, 128, 256)
+GRAMMAR_BACKENDS = ("outlines", "llguidance", "xgrammar")
 
 
 @dataclass
@@ -46,6 +49,9 @@ class ServerArgs:
         "help": "decode text a constraint forces token by token instead of appending it in one step"})
     constraint_timeout: float = field(default=30.0, metadata={
         "help": "seconds a regex or JSON schema may take to compile before its request fails (400)"})
+    grammar_backend: str = field(default="xgrammar", metadata={
+        "help": "the library that compiles constraints and fills their token masks: " + ", ".join(GRAMMAR_BACKENDS)
+                + " (ebnf grammars need xgrammar or llguidance; see benchmarks/README.md for the choice)"})
     attention_backend: str = field(default="auto", metadata={"help": "torch or triton (auto: torch on CPU, triton on CUDA)"})
     linear_kernel: str = field(default="auto", metadata={
         "help": "the CPU matmul kernel: torch (F.linear, MKL), onednn, or auto (the faster on this CPU, timed at start)"})
@@ -65,6 +71,12 @@ class ServerArgs:
         "help": "host:port where node 0 meets the other ranks (default on one machine: a free local port)"})
     dist_timeout: int = field(default=600, metadata={"help": "seconds a rank waits on the others before giving up"})
     num_threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch default)"})
+    incremental_streaming_output: bool = field(default=False, metadata={
+        "help": "native /generate streams send only what is new in each chunk (default, as SGLang: the text, "
+                "output ids and output logprobs so far)"})
+    reasoning_parser: str | None = field(default=None, metadata={
+        "help": "the model's reasoning format (qwen3, qwen3-thinking, deepseek-r1): chat answers carry the <think> block as "
+                "reasoning_content, and constraints start after it"})
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -78,6 +90,8 @@ class ServerArgs:
         if self.quantization_group_size not in QUANT_GROUP_SIZES:
             raise ValueError(f"quantization_group_size must be one of {QUANT_GROUP_SIZES}, "
                              f"got {self.quantization_group_size}")
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(f"grammar_backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {self.grammar_backend!r}")
         if self.linear_kernel not in ("auto", "torch", "onednn"):
             raise ValueError(f"linear_kernel must be auto, torch or onednn, got {self.linear_kernel!r}")
         if self.page_size < 0:
@@ -90,6 +104,8 @@ class ServerArgs:
             raise ValueError(f"node_rank must lie in [0, {self.nnodes})")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("several nodes need --dist-init-addr host:port (node 0's address)")
+        if self.reasoning_parser is not None:
+            reasoning_format(self.reasoning_parser)  # raises, naming the known ones
 
     @property
     def local_ranks(self) -> range:

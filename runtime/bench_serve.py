@@ -88,9 +88,9 @@ async def _stream(client: httpx.AsyncClient, path: str, body: dict[str, Any], na
                     continue
                 chunk = json.loads(line[6:])
                 now = time.perf_counter()
-                if native:
+                if native:  # each chunk has the ids so far (SGLang's stream), or only the new ones
                     meta = chunk["meta_info"]
-                    new = len(chunk["output_ids"])
+                    new = meta["completion_tokens"] - out.output_tokens
                     out.output_tokens, out.cached_tokens = meta["completion_tokens"], meta["cached_tokens"]
                 else:
                     usage = chunk.get("usage")

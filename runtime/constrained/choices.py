@@ -87,4 +87,5 @@ def result_meta(group: ChoiceGroup) -> tuple[int, dict[str, Any]]:
         "choice_token_logprobs": group.conditional,
         "method": group.method,
         **({"greedy_runs": group.greedy_runs} if group.method == "greedy_token" else {}),
+        **({"unconditional_token_logprobs": group.unconditional} if group.unconditional else {}),
     }

@@ -1,11 +1,13 @@
-"""A child process that turns constraints into outlines-core Indexes, so that one whose automaton
+"""A child process that compiles constraints (a backend's `Builder`, backend.py), so that one whose automaton
 explodes (`(a|b)*a(a|b){30}` has 2^30 states; each level of nested arrays in a JSON schema
 quadruples its regex) can be stopped: a thread cannot be, a process can be killed. Its address
 space is capped too, so such a constraint fails alone instead of drawing the OOM killer.
 
 Protocol over the child's stdin/stdout (a private pipe between our own processes): each message is
-an 8-byte little-endian length and a pickle. The parent sends the Vocabulary once, then constraint
-keys; the child answers each with ("ok", Index) or ("error", message). EOF on stdin ends it.
+an 8-byte little-endian length and a pickle. The parent sends the backend's Builder once (it holds the
+vocabulary), which the child acknowledges with ("ready", None) once loaded (imports included: its start
+is not charged to the first constraint's time limit), then constraint keys; the child answers each with
+("ok", what Builder.build returned) or ("error", message). EOF on stdin ends it.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def spawn() -> subprocess.Popen:
 
 
 def main() -> None:
-    from radixlm.runtime.constrained.constraint_regex import GrammarError, build_index
+    from radixlm.runtime.constrained.constraint_regex import GrammarError
     from radixlm.runtime.ipc import die_with_parent
 
     die_with_parent("radixlm-grammar")
@@ -52,11 +54,12 @@ def main() -> None:
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing else may write into the reply stream
     try:
-        vocabulary = read_message(stdin)
+        builder = read_message(stdin)
+        write_message(stdout, ("ready", None))
         while True:
             key = read_message(stdin)
             try:
-                reply = ("ok", build_index(key, vocabulary))
+                reply = ("ok", builder.build(key))
             except (GrammarError, MemoryError) as e:
                 reply = ("error", str(e) or "out of memory")
             write_message(stdout, reply)

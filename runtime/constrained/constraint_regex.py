@@ -11,7 +11,7 @@ import re
 from outlines_core import Index, Vocabulary
 from outlines_core.json_schema import build_regex_from_schema
 
-ConstraintKey = tuple[str, str]  # ("regex" | "json_schema" | "dtype" | "structural_tag", its text)
+ConstraintKey = tuple[str, str]  # (kind: one of sampling_params.CONSTRAINTS, its text)
 
 
 class GrammarError(ValueError):
@@ -48,6 +48,8 @@ def uses_end_mark(key: ConstraintKey) -> bool:
 
 
 def build_index(key: ConstraintKey, vocabulary: Vocabulary) -> Index:
+    if key[0] == "ebnf":
+        raise GrammarError("ebnf grammars need --grammar-backend xgrammar or llguidance (this server runs outlines)")
     regex = to_regex(key)
     try:
         return Index(f"({regex})\\x00" if uses_end_mark(key) else regex, vocabulary)
@@ -63,7 +65,9 @@ def to_regex(key: ConstraintKey) -> str:
         return DTYPE_REGEXES[text]
     if kind == "structural_tag":
         return _structural_tag_regex(text)
-    return _schema_regex(_load_json("json_schema", text), "json_schema")
+    if kind == "json_schema":
+        return _schema_regex(_load_json("json_schema", text), "json_schema")
+    raise GrammarError(f"{kind} constraints have no regex")
 
 
 def _load_json(what: str, text: str) -> object:
@@ -73,9 +77,24 @@ def _load_json(what: str, text: str) -> object:
         raise GrammarError(f"{what} is not valid JSON: {e}") from None
 
 
-def _schema_regex(schema: object, what: str) -> str:
+def load_schema(text: str) -> object:
+    """A `json_schema` constraint's schema, parsed and checked (`check_schema`)."""
+    schema = _load_json("json_schema", text)
+    check_schema(schema, "json_schema")
+    return schema
+
+
+def check_schema(schema: object, what: str) -> None:
+    """Refuse up front what no backend should try: a schema that is not an object (or boolean), or
+    nests deeper than MAX_SCHEMA_NESTING."""
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError(f"{what} must be a JSON object, got {type(schema).__name__}")
     if _nesting(schema) > MAX_SCHEMA_NESTING:
         raise GrammarError(f"{what} nests objects and arrays more than {MAX_SCHEMA_NESTING} deep")
+
+
+def _schema_regex(schema: object, what: str) -> str:
+    check_schema(schema, what)
     try:
         regex = build_regex_from_schema(json.dumps(_strict_formats(schema)))
     except Exception as e:  # noqa: BLE001 - outlines-core raises plain exceptions for unsupported schemas
@@ -89,13 +108,24 @@ def _schema_regex(schema: object, what: str) -> str:
 
 
 def _structural_tag_regex(text: str) -> str:
+    """Free text in which the trigger may only open a structure, whose body must then match its
+    schema up to its end (see `structural_tag`); the text around structures is then a small
+    automaton (see `text_without`)."""
+    trigger, structures = structural_tag(text)
+    bodies = "|".join(f"{_literal(s['begin'])}({_schema_regex(s['schema'], 'structural_tag schema')}){_literal(s['end'])}"
+                      for s in structures)
+    free = text_without(trigger)
+    return f"{free}(({bodies}){free})*"
+
+
+def structural_tag(text: str) -> tuple[str, list[dict]]:
     """SGLang's structural tag, ``{"structures": [{"begin", "schema", "end"}, ...], "triggers":
-    [trigger]}``: free text in which the trigger may only open a structure, whose body must then
-    match its schema up to its end. Structures may follow one another, with text between.
+    [trigger]}``, checked: its trigger and structures. Free text in which the trigger may only
+    open a structure; structures may follow one another, with text between.
 
     One trigger, which every begin starts with and whose first character does not occur in it
-    again (``<tool_call>``, ``<function=``, ``[TOOL_CALLS]``): the text around structures is
-    then a small automaton (see `text_without`).
+    again (``<tool_call>``, ``<function=``, ``[TOOL_CALLS]``): what outlines' regex of the text
+    around structures needs; the other backends take the same tags.
     """
     spec = _load_json("structural_tag", text)
     structures = spec.get("structures") if isinstance(spec, dict) else None
@@ -112,10 +142,8 @@ def _structural_tag_regex(text: str) -> str:
     for s in structures:
         if not s["begin"].startswith(trigger):
             raise GrammarError(f"structural_tag begin {s['begin']!r} does not start with the trigger {trigger!r}")
-    bodies = "|".join(f"{_literal(s['begin'])}({_schema_regex(s['schema'], 'structural_tag schema')}){_literal(s['end'])}"
-                      for s in structures)
-    free = text_without(trigger)
-    return f"{free}(({bodies}){free})*"
+        check_schema(s["schema"], "structural_tag schema")
+    return trigger, structures
 
 
 def text_without(trigger: str) -> str:

@@ -1,11 +1,10 @@
-"""Constraints compiled to outlines-core indexes off the scheduler's critical path, and the
-per-step token bitmask of a batch.
+"""Constraints compiled off the scheduler's critical path by the `--grammar-backend` (backend.py),
+and the per-step token bitmask of a batch.
 
-A request with `regex` or `json_schema` waits in the scheduler's pending list
-while a compiler process builds its Index (cached by constraint, LRU, as a
-`Grammar` that also remembers its forced continuations for jump-forward); it
-then carries its own `Guide` (the automaton's state), advanced by every token
-it samples. Each step the constrained rows of the batch get one bitmask row each;
+A request with a constraint waits in the scheduler's pending list while it compiles (in a
+compiler process, or in a pool thread for a backend that compiles in-process; cached by
+constraint, LRU); it then carries its own `Matcher` (its place in the constraint), advanced by
+every token it samples. Each step the constrained rows of the batch get one bitmask row each;
 unconstrained rows stay all-ones.
 """
 
@@ -19,15 +18,20 @@ import time
 import weakref
 from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
-from outlines_core import Guide, Vocabulary
 
+from radixlm.runtime.args import ServerArgs
 from radixlm.runtime.constrained import compile_worker
-from radixlm.runtime.constrained.constraint_regex import ConstraintKey, GrammarError, uses_end_mark
-from radixlm.runtime.constrained.jump_forward import Grammar, JumpForward
+from radixlm.runtime.constrained.backend import GrammarBackend, Matcher, make_backend
+from radixlm.runtime.constrained.constraint_regex import ConstraintKey, GrammarError
+from radixlm.runtime.constrained.jump_forward import JumpForward
 from radixlm.runtime.sampling_params import CONSTRAINTS, SamplingParams
+
+Grammar = Any  # a backend's compiled constraint (GrammarBackend.load)
+START_TIMEOUT_S = 120.0  # a compiler process's start, before its first constraint
+
 
 def constraint_key(params: SamplingParams) -> ConstraintKey | None:
     """(kind, text) of the request's constraint (validation leaves at most one), or None."""
@@ -39,11 +43,13 @@ def constraint_key(params: SamplingParams) -> ConstraintKey | None:
 
 
 class GrammarCompiler:
-    """Builds Indexes off the caller's thread; `poll` answers without waiting.
+    """Compiles constraints with `backend` off the caller's thread; `poll` answers without waiting.
 
     Each of `workers` threads drives one child process (compile_worker.py) that holds the
-    vocabulary and builds Indexes; a build that runs past `timeout_s` kills its child (the
+    backend's Builder and builds; a build that runs past `timeout_s` kills its child (the
     next build starts a fresh one), so an exploding automaton costs one request, not a core.
+    A backend that compiles in-process (`GrammarBackend.in_process`) builds in the thread itself,
+    with no time limit: such a backend bounds its own work.
 
     Every outcome, a failure too, is kept by key and answered to every request that asks for
     that key (successes LRU, failures for `failure_ttl_s`): a compile runs once however many
@@ -51,15 +57,13 @@ class GrammarCompiler:
     `ready_fd` turns readable when a compile ends, so a waiting caller can sleep in select.
     """
 
-    def __init__(self, vocabulary: Vocabulary, end_token: int, workers: int = 2, cache_size: int = 256,
+    def __init__(self, backend: GrammarBackend, workers: int = 2, cache_size: int = 256,
                  timeout_s: float = 30.0, jump_forward: JumpForward | None = None,
                  failure_ttl_s: float = 60.0) -> None:
-        """`vocabulary` holds the end mark's token, `end_token` (vocabulary_from_bytes adds it)."""
+        self.backend = backend
         self.jump_forward = jump_forward
         self.timeout_s = timeout_s
         self.failure_ttl_s = failure_ttl_s
-        self.vocabulary = vocabulary
-        self.end_token = end_token
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="radixlm-grammar")
         self._local = threading.local()  # each pool thread's child process
         self._children: list[subprocess.Popen] = []
@@ -132,6 +136,10 @@ class GrammarCompiler:
         self._wakeup.notify()
 
     def _compile(self, key: ConstraintKey) -> Grammar:
+        built = self.backend.builder.build(key) if self.backend.in_process else self._build_in_child(key)
+        return self.backend.load(key, built)
+
+    def _build_in_child(self, key: ConstraintKey) -> object:
         child = self._child()
         try:
             compile_worker.write_message(child.stdin, key)
@@ -144,16 +152,25 @@ class GrammarCompiler:
             raise GrammarError(f"the compiler process died on the {key[0]} constraint (out of memory?)") from None
         if status != "ok":
             raise GrammarError(value)
-        return Grammar(value, self.end_token if uses_end_mark(key) else None)
+        return value
 
     def _child(self) -> subprocess.Popen:
-        """This thread's compiler process, started (and sent the vocabulary) when there is none."""
+        """This thread's compiler process, started (and sent the Builder) when there is none."""
         child = getattr(self._local, "child", None)
         if child is None or child.poll() is not None:
             child = self._local.child = compile_worker.spawn()
             with self._children_lock:  # the exited ones go, so the list stays as long as the pool
                 self._children[:] = [c for c in self._children if c.poll() is None] + [child]
-            compile_worker.write_message(child.stdin, self.vocabulary)
+            try:
+                compile_worker.write_message(child.stdin, self.backend.builder)
+                # its start (imports, the vocabulary) has its own, longer limit: a loaded machine
+                # must not fail the first constraint for it
+                if not select.select([child.stdout], [], [], max(START_TIMEOUT_S, self.timeout_s))[0]:
+                    raise EOFError
+                compile_worker.read_message(child.stdout)
+            except (EOFError, OSError):
+                _kill(child)
+                raise GrammarError("the constraint compiler process did not start") from None
         return child
 
     def poll(self, key: ConstraintKey) -> Grammar | GrammarError | None:
@@ -166,6 +183,10 @@ class GrammarCompiler:
                 return result
             self._start(key)  # (its outcome was evicted before this waiter saw it: compile again)
             return None
+
+    def matcher(self, grammar: Grammar) -> Matcher:
+        """A fresh matcher for a request on a compiled `grammar` (what `poll` answered)."""
+        return self.backend.matcher(grammar)
 
     @property
     def num_compiling(self) -> int:
@@ -224,11 +245,13 @@ def _kill(child: subprocess.Popen) -> None:
         stream.close()
 
 
-def compiler_factory(tokenizer: object, vocab_size: int, eos_token_ids: Sequence[int], timeout_s: float = 30.0):
-    """A zero-argument maker of the GrammarCompiler, for the scheduler to call on first use."""
+def compiler_factory(tokenizer: object, vocab_size: int, eos_token_ids: Sequence[int], timeout_s: float = 30.0,
+                     backend: str = ServerArgs.grammar_backend):
+    """A zero-argument maker of the GrammarCompiler on the `--grammar-backend` named `backend`, for
+    the scheduler to call on first use."""
 
     def make() -> GrammarCompiler:
-        from radixlm.runtime.constrained.vocabulary import end_token_id, token_bytes, vocabulary_from_bytes
+        from radixlm.runtime.constrained.vocabulary import token_bytes
 
         if not eos_token_ids:
             raise ValueError("constrained decoding needs at least one EOS token id")
@@ -238,7 +261,7 @@ def compiler_factory(tokenizer: object, vocab_size: int, eos_token_ids: Sequence
 
         table = token_bytes(tokenizer, vocab_size, eos_token_ids)  # one pass over the vocabulary, shared
         jump = JumpForward(table, eos_token_ids[0], encode, pre_splitter(tokenizer))
-        return GrammarCompiler(vocabulary_from_bytes(table, eos_token_ids[0]), end_token_id(table), timeout_s=timeout_s,
+        return GrammarCompiler(make_backend(backend, table, eos_token_ids[0], encode), timeout_s=timeout_s,
                                jump_forward=jump)
 
     return make
@@ -254,24 +277,18 @@ def pre_splitter(tokenizer: object) -> Callable[[str], list[int]] | None:
     return lambda text: [start for _, (start, _) in pre.pre_tokenize_str(text)]
 
 
-def grammar_bitmask(rows: Sequence[tuple[Guide, Grammar] | None], vocab_size: int,
-                    eos_token_id: int) -> torch.Tensor | None:
+def grammar_bitmask(rows: Sequence[Matcher | None], vocab_size: int) -> torch.Tensor | None:
     """[B, ceil(V/32)] int32 bitmask of allowed tokens per row (all ones for unconstrained rows),
-    or None when no row is constrained. EOS is allowed where the row's text may end (an Index built
-    with the end mark never allows it itself: see constraint_regex.END_MARK); the end mark's own
-    token lies past V."""
+    or None when no row is constrained. Each matcher class fills all its rows in one call."""
     if all(r is None for r in rows):
         return None
     mask = torch.full((len(rows), (vocab_size + 31) // 32), -1, dtype=torch.int32)
-    word, bit = divmod(eos_token_id, 32)
-    eos_bit = torch.tensor(1 << bit, dtype=torch.int64).to(torch.int32)  # bit 31 wraps to the sign bit
-    for i, row in enumerate(rows):
-        if row is not None:
-            guide, grammar = row
-            view = mask[i : i + 1]
-            guide.write_mask_into(view.data_ptr(), view.numel(), view.element_size())
-            if grammar.end_token is not None and grammar.can_end(guide.get_state()):
-                mask[i, word] |= eos_bit  # (without the end mark, outlines-core sets it itself)
+    by_class: dict[type, list[tuple[int, Matcher]]] = {}
+    for i, matcher in enumerate(rows):
+        if matcher is not None:
+            by_class.setdefault(type(matcher), []).append((i, matcher))
+    for cls, group in by_class.items():
+        cls.fill_masks(group, mask)
     return mask
 
 

@@ -95,6 +95,11 @@ class Router:
 
 def routing_key(path: str, body: dict[str, Any]) -> str:
     """The text whose prefix decides the replica: the prompt, the token ids, or the messages."""
+    if path == "/v1/responses":  # the instructions, then the input (a string or items)
+        items = body.get("input")
+        text = items if isinstance(items, str) else "".join(
+            f"{i.get('role')}\x00{i.get('content')}\x00" for i in items or [] if isinstance(i, dict))
+        return f"{body.get('instructions') or ''}\x00{text}"
     if path == "/v1/chat/completions" or "messages" in body:
         return "".join(f"{m.get('role')}\x00{m.get('content')}\x00" for m in body.get("messages") or []
                        if isinstance(m, dict))
@@ -152,7 +157,7 @@ def create_router_app(router: Router, api_key: str | None = None, max_request_by
         ok = all(isinstance(x, httpx.Response) and x.status_code == 200 for x in results)
         return Response(status_code=200 if ok else 409)
 
-    for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+    for path in ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses"):
         app.add_api_route(path, _proxy_endpoint(client, router, path), methods=["POST"])
     return app
 

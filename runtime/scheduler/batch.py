@@ -112,8 +112,7 @@ def sampling_batch(reqs: list[Req], eos_ids: list[int], vocab_size: int, device:
     counts = penalties.counts_for(reqs) if penalties is not None else None
     batch = SamplingBatch.build([r.params for r in reqs], [r.prompt_ids for r in reqs], [r.output_ids for r in reqs],
                                 eos_ids, vocab_size, device, counts)
-    batch.grammar_mask = grammar_bitmask([(r.guide, r.grammar) if r.guide is not None else None for r in reqs],
-                                         vocab_size, eos_ids[0] if eos_ids else -1)
+    batch.grammar_mask = grammar_bitmask([r.guide for r in reqs], vocab_size)
     return batch
 
 

@@ -35,10 +35,10 @@ class JumpForwarder:
         EOS when nothing else may follow. Returns the index of the first output token that
         changed, or None when none did."""
         jf = self.jf
-        forced = jf.forced(req.grammar, req.guide.get_state())
+        forced = req.guide.forced()
         changed = self._jump(req, forced, spare_pages) if forced.text else None
         if changed is not None:
-            forced = jf.forced(req.grammar, req.guide.get_state())
+            forced = req.guide.forced()
         p = req.params
         if (forced.ends and not forced.text and not p.ignore_eos and len(req.output_ids) < p.max_new_tokens
                 and len(req.output_ids) + 1 >= p.min_new_tokens):
@@ -49,10 +49,10 @@ class JumpForwarder:
     def _jump(self, req: Req, forced: Forced, spare_pages: int) -> int | None:
         """Re-encode the last output tokens with the forced text; returns the first changed index."""
         jf, out = self.jf, req.output_ids
-        # tokens in the shared prefix cache cannot be re-encoded; the guide keeps RETOKENIZE_TOKENS
-        # states, and holds none for an EOS (sampled under ignore_eos: the guide never takes it)
+        # tokens in the shared prefix cache cannot be re-encoded; the matcher rolls back at most
+        # RETOKENIZE_TOKENS, and never over an EOS (sampled under ignore_eos: the matcher never takes it)
         movable = len(out) - max(req.prefix_len - req.prompt_len, 0)
-        window = min(RETOKENIZE_TOKENS, movable, req.guide.get_allowed_rollback(), self._since_eos(out))
+        window = min(RETOKENIZE_TOKENS, movable, req.guide.max_rollback, self._since_eos(out))
         plan = jf.retokenize(out[len(out) - window:], forced.text, forced.ends, forced.next_bytes)
         if plan is None:
             return None
@@ -67,14 +67,14 @@ class JumpForwarder:
         need = pages_for(req.prompt_len + start + len(tokens), page) - pages_for(keep_kv, page)
         if need > spare_pages:
             return None  # leave the pages to decoding
-        req.guide.rollback_state(len(out) - start)
-        if not req.guide.accepts_tokens(tokens):  # cannot happen for a tokenization of allowed text
+        req.guide.rollback(len(out) - start)
+        if not req.guide.accepts(tokens):  # cannot happen for a tokenization of allowed text
             for t in out[start:]:
-                req.guide.advance(t, return_tokens=False)
-            log.warning("jump-forward: the guide refused the re-encoded text of %s; decoding it instead", req.rid)
+                req.guide.advance(t)
+            log.warning("jump-forward: the matcher refused the re-encoded text of %s; decoding it instead", req.rid)
             return None
         for t in tokens:
-            req.guide.advance(t, return_tokens=False)
+            req.guide.advance(t)
         if keep_kv < req.cached_len:
             self.kv.truncate(req, keep_kv)
         self.jumped_tokens += len(tokens) - (len(out) - start)

@@ -33,7 +33,7 @@ class SchedulerProcess:
         grammar = None
         if tokenizer is not None:
             grammar = compiler_factory(tokenizer, self.worker.config.vocab_size, self.worker.config.eos_token_ids,
-                                       args.constraint_timeout)
+                                       args.constraint_timeout, args.grammar_backend)
         self.scheduler = Scheduler(args, self.worker, decode=decode, grammar=grammar)
         self.ctx = zmq.Context()
         self.inbox = ipc.socket(self.ctx, zmq.PULL, recv_from, bind=False)

@@ -63,7 +63,8 @@ class Req:
         self.input_logprobs_sent = False
         self.grammar_key: tuple[str, str] | None = None  # constraint, while its index compiles
         self.grammar: Any = None  # its compiled Grammar, once ready
-        self.guide: Any = None  # outlines-core Guide: the constraint automaton's state
+        self.guide: Any = None  # its constrained.backend.Matcher: its place in the constraint
+        self.reasoning_end_ids = tr.reasoning_end_ids  # the guide waits for these (reasoning_gate.py)
         self.replaced = 0  # already reported output tokens that jump-forward re-encoded, to report
         self.penalty_counted = 0  # output tokens in its row of the kept penalty counts (-1: rebuild)
 

@@ -13,16 +13,16 @@ scheduler does no I/O: `add_request`, `abort` and `step` are its API.
 from __future__ import annotations
 
 import logging
+import re
 import select
 import uuid
 from typing import Callable
 
-from outlines_core import Guide
-
 from radixlm.runtime.args import ServerArgs
 from radixlm.runtime.constrained.grammar import GrammarCompiler, GrammarError, constraint_key
-from radixlm.runtime.constrained.jump_forward import RETOKENIZE_TOKENS
+from radixlm.runtime.constrained.reasoning_gate import ReasoningGate
 from radixlm.runtime.messages import TokenizedRequest, TokenOutput
+from radixlm.runtime.sampling_params import STOP_REGEX_WINDOW
 from radixlm.runtime.scheduler.admission import Admitted, admit, step_budget
 from radixlm.runtime.scheduler.batch import PenaltyTracker, ScheduledBatch, make_batch, sampling_batch, to_worker_batch
 from radixlm.runtime.scheduler.jump_forward import JumpForwarder
@@ -262,7 +262,9 @@ class Scheduler:
                     self._ended.append(self._end(req, Finish(FinishKind.ABORT, str(result), status=400)))
                     continue
                 req.grammar = result
-                req.guide = Guide(result.index, max_rollback=RETOKENIZE_TOKENS)
+                req.guide = self.grammar.matcher(result)
+                if req.reasoning_end_ids:
+                    req.guide = ReasoningGate(req.guide, req.reasoning_end_ids)
             except Exception:  # noqa: BLE001 - one request's constraint must not stop the scheduler
                 self._dequeue(req)
                 self._ended.append(self._end(req, self._internal_error(req, "starting its constraint")))
@@ -368,7 +370,7 @@ class Scheduler:
         req.output_ids.append(token)
         if req.guide is not None and token not in self.eos_ids:
             # NOTE: is_finished() only means "accepting": more tokens may still follow
-            req.guide.advance(token, return_tokens=False)
+            req.guide.advance(token)
         if req.return_logprob:
             req.output_logprobs.append(out.logprobs[i])
             if req.top_logprobs_num:
@@ -453,8 +455,10 @@ class Scheduler:
         last = req.output_ids[-1]
         if self._is_stop_token(req, last) and len(req.output_ids) >= p.min_new_tokens:
             return Finish(FinishKind.STOP, last)
-        if p.stop and self.decode is not None and len(req.output_ids) >= p.min_new_tokens:
-            matched = self._match_stop_string(req)
+        if (p.stop or p.stop_regex) and self.decode is not None and len(req.output_ids) >= p.min_new_tokens:
+            matched = self._match_stop_string(req) if p.stop else None
+            if matched is None and p.stop_regex:
+                matched = self._match_stop_regex(req)
             if matched is not None:
                 return Finish(FinishKind.STOP, matched)
         if len(req.output_ids) >= p.max_new_tokens:
@@ -472,6 +476,13 @@ class Scheduler:
             if s in tail:
                 return s
         return None
+
+    def _match_stop_regex(self, req: Req) -> str | None:
+        """The first stop regex found in the output's last STOP_REGEX_WINDOW characters (and the
+        tokens not yet reported); SGLang's finish reason names the pattern, not the text."""
+        window = STOP_REGEX_WINDOW + len(req.output_ids) - req.sent_len
+        tail = self.decode(req.output_ids[-window:])[-window:]
+        return next((r for r in req.params.stop_regex if re.search(r, tail)), None)
 
     def _end(self, req: Req, finish: Finish) -> TokenOutput:
         req.finish = finish

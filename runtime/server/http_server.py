@@ -16,7 +16,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixlm.runtime.client import RequestFailed, RuntimeClient
 from radixlm.runtime.messages import ClientOutput, GenerateRequest
-from radixlm.runtime.native import GENERATE_BODY_SCHEMA, BadRequest, native_requests, native_result
+from radixlm.runtime.native import GENERATE_BODY_SCHEMA, BadRequest, CumulativeStream, native_requests, native_result
+from radixlm.runtime.reasoning import reasoning_format, split_reasoning
 from radixlm.runtime.server.metrics import Metrics
 
 log = logging.getLogger("radixlm.http")
@@ -90,10 +91,12 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
         return Response(status_code=200)
 
     @app.get("/get_model_info")
+    @app.get("/model_info")  # SGLang's newer names
     async def model_info() -> dict:
         return await state.client.control("model_info")
 
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def server_info() -> dict:
         return {**state.server_args, **state.info, **(await state.client.control("server_info"))}
 
@@ -123,25 +126,47 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
         await state.client.abort(rid)
         return Response(status_code=200)
 
+    @app.post("/separate_reasoning")
+    async def separate_reasoning(request: Request) -> dict:
+        """SGLang's: a text's reasoning block and the rest, by `reasoning_parser` (default: the server's)."""
+        body = await json_body(request)
+        text, parser = body.get("text"), body.get("reasoning_parser", state.server_args.get("reasoning_parser"))
+        if not isinstance(text, str) or not isinstance(parser, str):
+            raise HTTPError("separate_reasoning needs a string 'text' and a 'reasoning_parser' "
+                            "(or a server started with --reasoning-parser)")
+        try:
+            fmt = reasoning_format(parser)
+        except ValueError as e:
+            raise HTTPError(str(e)) from None
+        split = split_reasoning(text, fmt, thinking=fmt.toggle is None)  # (a qwen3 text must open the block)
+        return {"reasoning_text": split.reasoning, "text": split.content}
+
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         body = await json_body(request)
         reqs, single = native_requests(body)
         if body.get("stream"):
-            return await sse_response(stream_native(state.client, reqs, single))
+            cumulative = not state.server_args.get("incremental_streaming_output", False)
+            return await sse_response(stream_native(state.client, reqs, single, cumulative))
         results = await run_until_done(request, gather_outputs(state.client, reqs))
         out = [native_result(r) for r in results]
         return JSONResponse(out[0] if single else out)
 
     from radixlm.runtime.server.openai_api import add_openai_routes
     from radixlm.runtime.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+    from radixlm.runtime.server.responses_api import add_responses_routes
+    from radixlm.runtime.server.responses_protocol import ResponsesRequest
 
     add_openai_routes(app, state)
+    add_responses_routes(app, state)
     document_bodies(app, {
         "/generate": GENERATE_BODY_SCHEMA,
         "/abort_request": {"type": "object", "properties": {"rid": {"type": "string"}}, "required": ["rid"]},
+        "/separate_reasoning": {"type": "object", "properties": {
+            "text": {"type": "string"}, "reasoning_parser": {"type": "string"}}, "required": ["text"]},
         "/v1/completions": CompletionRequest,
         "/v1/chat/completions": ChatCompletionRequest,
+        "/v1/responses": ResponsesRequest,
     })
     return app
 
@@ -242,9 +267,13 @@ async def run_until_done(request: Request, work: Awaitable[Any]) -> Any:
             raise HTTPError("client disconnected", 499)
 
 
-async def stream_native(client: RuntimeClient, reqs: list[GenerateRequest], single: bool) -> AsyncIterator[bytes]:
+async def stream_native(client: RuntimeClient, reqs: list[GenerateRequest], single: bool,
+                        cumulative: bool = True) -> AsyncIterator[bytes]:
+    """SSE chunks in the native shape: each with everything so far (SGLang's default), or with
+    only what is new."""
+    streams = [CumulativeStream() for _ in reqs]
     async for index, out in merge_streams(client, reqs):
-        chunk = native_result(out)
+        chunk = streams[index].chunk(out) if cumulative else native_result(out)
         if not single:
             chunk["index"] = index
         yield sse(chunk)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from radixlm.runtime.messages import GenerateRequest
 from radixlm.runtime.server import openai_protocol as oa
 from radixlm.runtime.native import native_requests, native_result
+from radixlm.runtime.reasoning import ReasoningFormat, reasoning_format
 from radixlm.runtime.server.http_server import (
     HTTPError, ServerState, gather_outputs, json_body, merge_streams, run_until_done, sse, sse_response,
 )
@@ -30,8 +31,8 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = _parse(oa.CompletionRequest, await json_body(request))
-        _check_model(state, req.model)
+        req = parse_request(oa.CompletionRequest, await json_body(request))
+        check_model(state, req.model)
         body = oa.completion_to_generate(req)
         body["return_text_in_logprobs"] = req.logprobs is not None
         if req.echo and not isinstance(body.get("text"), (str, list)):
@@ -42,29 +43,27 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = _parse(oa.ChatCompletionRequest, await json_body(request))
-        _check_model(state, req.model)
-        try:
-            messages = oa.chat_messages(req)
-        except ValueError as e:
-            raise HTTPError(str(e)) from None
-        body = oa.chat_to_generate(req, prompt_text="")
-        del body["text"]  # the tokenizer process renders the messages with the model's template
-        body["messages"] = messages
+        req = parse_request(oa.ChatCompletionRequest, await json_body(request))
+        check_model(state, req.model)
+        parser = state.server_args.get("reasoning_parser")
+        body = chat_body(req, reasoning_format(parser) if parser else None)
         body["return_text_in_logprobs"] = bool(req.logprobs)
         tools = oa.ToolReader.of(req)
-        return await _run(request, state, body, req, chat=True, tools=tools, build=lambda results, rid: oa.chat_response(
-            results, state.model_name, rid, bool(req.logprobs), req.top_logprobs or 0, _decoder(results), tools))
+        reasoning = oa.ReasoningReader.of(req, parser)
+        return await _run(request, state, body, req, chat=True, tools=tools, reasoning=reasoning,
+                          build=lambda results, rid: oa.chat_response(
+                              results, state.model_name, rid, bool(req.logprobs), req.top_logprobs or 0,
+                              _decoder(results), tools, reasoning))
 
 
 async def _run(request: Request, state: ServerState, body: dict[str, Any], req: Any, chat: bool,
                build: Callable[[list[dict[str, Any]], str], dict[str, Any]],
-               tools: oa.ToolReader | None = None) -> Response:
+               tools: oa.ToolReader | None = None, reasoning: oa.ReasoningReader | None = None) -> Response:
     """Run a converted request: stream chunks, or wait for every result and `build` the answer."""
     reqs, _ = native_requests(body)
     rid = oa.new_request_id()
     if req.stream:
-        return await sse_response(_stream(state, reqs, req, rid, chat, tools))
+        return await sse_response(_stream(state, reqs, req, rid, chat, tools, reasoning))
     outs = await run_until_done(request, gather_outputs(state.client, reqs))
     results = [native_result(o) for o in outs]
     try:
@@ -73,7 +72,21 @@ async def _run(request: Request, state: ServerState, body: dict[str, Any], req: 
         raise HTTPError(f"the request was aborted: {e}", 500) from None
 
 
-def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
+def chat_body(req: oa.ChatCompletionRequest, reasoning: ReasoningFormat | None = None) -> dict[str, Any]:
+    """The native body of a chat request (also /v1/responses'): the messages, not a prompt text,
+    since the tokenizer process renders them with the model's template. With the server's
+    `reasoning` format (--reasoning-parser), a constraint waits for the reasoning to end."""
+    try:
+        messages = oa.chat_messages(req)
+    except ValueError as e:
+        raise HTTPError(str(e)) from None
+    body = oa.chat_to_generate(req, prompt_text="", reasoning=reasoning)
+    del body["text"]
+    body["messages"] = messages
+    return body
+
+
+def parse_request(model: type[BaseModel], body: dict[str, Any]) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as e:
@@ -82,7 +95,7 @@ def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
         raise HTTPError(f"{where}: {first['msg']}" if where else first["msg"]) from None
 
 
-def _check_model(state: ServerState, name: str | None) -> None:
+def check_model(state: ServerState, name: str | None) -> None:
     if name not in (None, "", "default", state.model_name):
         raise HTTPError(f"model {name!r} does not exist; this server serves {state.model_name!r}", 404)
 
@@ -112,12 +125,12 @@ def _decoder(results: list[dict[str, Any]]) -> Callable[[int], str]:
 
 
 async def _stream(state: ServerState, reqs: list[GenerateRequest], req: Any, rid: str, chat: bool,
-                  tools: oa.ToolReader | None) -> AsyncIterator[bytes]:
+                  tools: oa.ToolReader | None, reasoning: oa.ReasoningReader | None) -> AsyncIterator[bytes]:
     created = int(time.time())
     model = state.model_name
     finals: dict[int, dict[str, Any]] = {}
     started: set[int] = set()
-    tool_streams: dict[int, oa.ToolStream] = {}
+    choice_streams: dict[int, oa.ChoiceStream] = {}
     async for index, out in merge_streams(state.client, reqs):
         result = native_result(out)
         try:
@@ -131,13 +144,10 @@ async def _stream(state: ServerState, reqs: list[GenerateRequest], req: Any, rid
             yield sse(oa.completion_chunk(rid, model, created, index, result["text"], finish, lp))
             continue
         lp = oa.chat_logprobs(result["meta_info"], req.top_logprobs or 0, _decoder([result])) if req.logprobs else None
-        if tools is None:
-            deltas = [{"content": result["text"]}]
-        else:
-            stream = tool_streams.setdefault(index, tools.stream())
-            deltas = stream.feed(result["text"]) + (stream.finish() if out.finished else [])
-            if finish is not None and stream.called:
-                finish = tools.finish_reason(finish)
+        stream = choice_streams.setdefault(index, oa.ChoiceStream(tools, reasoning))
+        deltas = stream.feed(result["text"], out.finished)
+        if finish is not None and stream.called:
+            finish = tools.finish_reason(finish)
         if not deltas and (finish is not None or lp is not None):
             deltas = [{}]  # still a chunk: it carries the finish reason or the logprobs
         for i, delta in enumerate(deltas):

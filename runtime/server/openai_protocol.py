@@ -31,6 +31,7 @@ from typing import Annotated, Any, Callable, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from radixlm.runtime import tool_calls
+from radixlm.runtime.reasoning import ReasoningFormat, ReasoningStream, Split, reasoning_format, split_reasoning
 
 MAX_N = 16  # choices per prompt; each one is a full sequence in the batch
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
@@ -190,6 +191,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this answers
+    reasoning_content: str | None = None  # assistant turns: their reasoning, for templates that show it
 
     @model_validator(mode="after")
     def _tool_turns_answer_a_call(self) -> ChatMessage:
@@ -252,6 +254,11 @@ class ChatCompletionRequest(_OpenAIRequest):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # SGLang's: variables for the chat template (Qwen3's enable_thinking); under --reasoning-parser,
+    # the reasoning as reasoning_content (separate_reasoning), streamed as it comes or in one delta
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
@@ -316,8 +323,10 @@ def completion_to_generate(req: CompletionRequest) -> dict[str, Any]:
     return body
 
 
-def chat_to_generate(req: ChatCompletionRequest, prompt_text: str) -> dict[str, Any]:
-    """The native body for a chat request whose messages rendered to ``prompt_text``.
+def chat_to_generate(req: ChatCompletionRequest, prompt_text: str,
+                     reasoning: ReasoningFormat | None = None) -> dict[str, Any]:
+    """The native body for a chat request whose messages rendered to ``prompt_text``; with the
+    server's ``reasoning`` format, a constraint waits for the reasoning to end when it thinks.
 
     The same ``max_new_tokens=None`` caveat as ``completion_to_generate`` holds.
     """
@@ -335,6 +344,10 @@ def chat_to_generate(req: ChatCompletionRequest, prompt_text: str) -> dict[str, 
     body: dict[str, Any] = {"text": prompt_text, "sampling_params": params, "stream": req.stream}
     if tools:
         body["tools"] = tools  # the chat template shows them to the model
+    if req.chat_template_kwargs:
+        body["chat_template_kwargs"] = req.chat_template_kwargs
+    if reasoning is not None and reasoning.thinking(req.chat_template_kwargs):
+        body["require_reasoning"] = True
     if req.logprobs:
         body["return_logprob"] = True
         body["top_logprobs_num"] = req.top_logprobs or 0
@@ -364,6 +377,8 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             entry["name"] = msg.name
         if msg.tool_call_id is not None:
             entry["tool_call_id"] = msg.tool_call_id
+        if msg.reasoning_content is not None:
+            entry["reasoning_content"] = msg.reasoning_content
         if msg.tool_calls:
             entry["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.function.name, "arguments": _arguments(f"messages[{i}].tool_calls[{j}]", c.function.arguments)}}
@@ -500,6 +515,80 @@ class ToolStream:
         return deltas
 
 
+# ---------------------------------------------------------------- reasoning
+
+
+@dataclass
+class ReasoningReader:
+    """Splits a chat choice's reasoning from its content (runtime/reasoning.py), as the request asks."""
+
+    fmt: ReasoningFormat
+    thinking: bool  # the output begins inside the reasoning block
+    whole: bool = False  # stream the reasoning in one delta, once it has ended
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest, parser: str | None) -> ReasoningReader | None:
+        if parser is None or not req.separate_reasoning:
+            return None
+        fmt = reasoning_format(parser)
+        return cls(fmt, fmt.thinking(req.chat_template_kwargs), whole=not req.stream_reasoning)
+
+    def split(self, text: str) -> Split:
+        return split_reasoning(text, self.fmt, self.thinking)
+
+    def stream(self) -> ReasoningDeltas:
+        return ReasoningDeltas(self)
+
+
+class ReasoningDeltas:
+    """One streamed choice's text split into reasoning and content deltas."""
+
+    def __init__(self, reader: ReasoningReader) -> None:
+        self.stream = ReasoningStream(reader.fmt, reader.thinking)
+        self.whole = reader.whole
+        self.thought = ""  # reasoning held back until it ends (``whole``)
+
+    def feed(self, text: str, finished: bool) -> Split:
+        part = self.stream.feed(text)
+        if finished:
+            rest = self.stream.finish()
+            part = Split(part.reasoning + rest.reasoning, part.content + rest.content)
+        if not self.whole:
+            return part
+        self.thought += part.reasoning
+        if self.stream.in_reasoning and not finished:
+            return Split("", part.content)
+        thought, self.thought = self.thought, ""
+        return Split(thought, part.content)
+
+
+class ChoiceStream:
+    """One streamed chat choice's deltas: ``reasoning_content`` first (with ``reasoning``), then the
+    content, read for tool calls (with ``tools``)."""
+
+    def __init__(self, tools: ToolReader | None, reasoning: ReasoningReader | None) -> None:
+        self.tools = tools.stream() if tools is not None else None
+        self.reasoning = reasoning.stream() if reasoning is not None else None
+
+    @property
+    def called(self) -> bool:
+        """Whether the model chose to call a tool (so far)."""
+        return self.tools is not None and self.tools.called
+
+    def feed(self, text: str, finished: bool) -> list[dict[str, Any]]:
+        deltas = []
+        if self.reasoning is not None:
+            thought, text = self.reasoning.feed(text, finished)
+            if thought:
+                deltas.append({"reasoning_content": thought})
+        if self.tools is None:
+            if text or not deltas:
+                deltas.append({"content": text})
+        else:
+            deltas += self.tools.feed(text) + (self.tools.finish() if finished else [])
+        return deltas
+
+
 # -------------------------------------------------------- response builders
 
 
@@ -590,16 +679,22 @@ def chat_response(
     top_logprobs: int,
     tokenizer_decode: Decode,
     tools: ToolReader | None = None,
+    reasoning: ReasoningReader | None = None,
 ) -> dict[str, Any]:
     """A whole ``chat.completion`` object; ``results`` are the choices of one prompt.
-    With ``tools``, each choice's text is read for tool calls."""
+    With ``reasoning``, each choice's reasoning goes to ``reasoning_content`` (null when it has
+    none); with ``tools``, the rest (the content) is read for tool calls."""
     choices = []
     for index, result in enumerate(results):
         meta = result["meta_info"]
-        message: dict[str, Any] = {"role": "assistant", "content": result["text"]}
+        text = result["text"]
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if reasoning is not None:
+            thought, text = reasoning.split(text)
+            message.update(content=text, reasoning_content=thought or None)
         finish = openai_finish_reason(meta["finish_reason"])
         if tools is not None:
-            message["content"], calls = tools.read(result["text"])
+            message["content"], calls = tools.read(text)
             if calls:
                 message["tool_calls"] = [c.openai() for c in calls]
                 finish = tools.finish_reason(finish)

@@ -21,7 +21,7 @@ class IncrementalDetokenizer:
 
     Contract: the deltas of all ``add`` calls, the last with ``flush=True``,
     join to ``tokenizer.decode(output_ids, skip_special_tokens=...)``, cut
-    right before the first stop string if one matched. In particular:
+    right before the first stop string if one matched (right after it with ``keep_stop``). In particular:
 
     - a multi-byte character split across tokens is held back until its last
       byte arrives (a delta never carries half a character);
@@ -32,13 +32,16 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True, stop: Sequence[str] = (), replaceable: int = 0) -> None:
-        """`replaceable`: how many of the latest ids `replace` may take back (kept past the window)."""
+                 spaces_between_special_tokens: bool = True, stop: Sequence[str] = (), replaceable: int = 0,
+                 keep_stop: bool = False) -> None:
+        """`replaceable`: how many of the latest ids `replace` may take back (kept past the window);
+        `keep_stop` (SGLang's `no_stop_trim`): the text ends with the matched stop string instead of before it."""
         assert all(stop), "stop strings must be non-empty (SamplingParams rejects empty ones)"
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.stop = tuple(stop)
+        self.keep_stop = keep_stop
         self.text = ""  # everything emitted so far: the concatenation of the deltas
         self.stopped_on: str | None = None
         context = self._prompt_context(prompt_ids or ())
@@ -107,6 +110,8 @@ class IncrementalDetokenizer:
         match = self._find_stop()
         if match is not None:
             cut, self.stopped_on = match
+            if self.keep_stop:
+                cut += len(self.stopped_on)
             delta, self._held = self._held[:cut], ""
             return delta
         keep = 0 if flush else self._stop_prefix_len()

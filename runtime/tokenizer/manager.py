@@ -39,6 +39,7 @@ from radixlm.runtime.messages import (
     TokenOutput,
 )
 from radixlm.runtime.native import BadRequest
+from radixlm.runtime.reasoning import end_tag_ids, gate_ids
 from radixlm.runtime.sampling_params import SamplingParams, SamplingParamsError
 from radixlm.runtime.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -64,6 +65,7 @@ class _InFlight:
     first_token: float | None = None
     group: ChoiceGroup | None = None  # set on the scoring requests of a `choices` request
     group_slot: int = 0
+    stream_interval: int = 1  # a stream's chunks carry at least this many new tokens (the last may carry fewer)
 
 
 class TokenizerManager:
@@ -78,6 +80,7 @@ class TokenizerManager:
         self.context_length = min(config.context_length, args.context_length or 1 << 62)
         self.model_name = source.name
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source, args.tokenizer_path)
+        self.reasoning_end_ids = end_tag_ids(args.reasoning_parser, self.tokenizer)
         self.ctx = zmq.Context()
         self.clients = ipc.socket(self.ctx, zmq.ROUTER, client_addr, bind=True)
         self.to_scheduler = ipc.socket(self.ctx, zmq.PUSH, to_scheduler, bind=True)
@@ -125,6 +128,7 @@ class TokenizerManager:
                 self._admit_choices(client, req, prompt_ids)
                 return
             params = self._sampling_params(req, len(prompt_ids))
+            gate = self._reasoning_gate(req, params)
         except (BadRequest, SamplingParamsError) as e:
             self._reply(client, ClientOutput(req.rid, finished=True, error=str(e), status=400))
             return
@@ -132,10 +136,17 @@ class TokenizerManager:
         if self.tokenizer is not None:
             replaceable = RETOKENIZE_TOKENS if constraint_key(params) is not None else 0
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
-                                           params.spaces_between_special_tokens, params.stop, replaceable)
-        self.in_flight[req.rid] = _InFlight(client, req, prompt_ids, detok)
+                                           params.spaces_between_special_tokens, params.stop, replaceable,
+                                           keep_stop=params.no_stop_trim)
+        self.in_flight[req.rid] = _InFlight(client, req, prompt_ids, detok, stream_interval=params.stream_interval)
         self.to_scheduler.send(ipc.encode(TokenizedRequest(
-            req.rid, prompt_ids, params, req.return_logprob, req.logprob_start_len, req.top_logprobs_num)))
+            req.rid, prompt_ids, params, req.return_logprob, req.logprob_start_len, req.top_logprobs_num, gate)))
+
+    def _reasoning_gate(self, req: GenerateRequest, params: SamplingParams) -> list[int]:
+        try:
+            return gate_ids(req.require_reasoning, self.reasoning_end_ids, constraint_key(params) is not None)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
 
     def _admit_choices(self, client: bytes, req: GenerateRequest, prompt_ids: list[int]) -> None:
         """Score each choice with a prefill-only request; answer once all are scored."""
@@ -180,7 +191,7 @@ class TokenizerManager:
 
     def _choice_scored(self, st: _InFlight, out: TokenOutput) -> None:
         group, n = st.group, len(st.group.choices)
-        logprobs = [lp for lp, _ in (st.input_logprobs or []) if lp is not None]
+        logprobs = [lp for lp, *_ in (st.input_logprobs or []) if lp is not None]
         if st.group_slot < n:
             group.conditional[st.group_slot] = logprobs
             group.cached_tokens = max(group.cached_tokens, out.cached_tokens)
@@ -209,7 +220,7 @@ class TokenizerManager:
         else:
             if self.tokenizer is None:
                 raise BadRequest("this server has no tokenizer (--skip-tokenizer-init): send input_ids")
-            text = req.text if req.text is not None else self._chat_prompt(req.messages, req.tools)
+            text = req.text if req.text is not None else self._chat_prompt(req)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise BadRequest("the prompt is empty")
@@ -218,11 +229,11 @@ class TokenizerManager:
                              "(prompt plus at least one new token must fit)")
         return list(ids)
 
-    def _chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+    def _chat_prompt(self, req: GenerateRequest) -> str:
         from radixlm.runtime.tokenizer.loader import chat_prompt
 
         try:
-            return chat_prompt(self.tokenizer, messages, tools)
+            return chat_prompt(self.tokenizer, req.messages, req.tools, req.chat_template_kwargs)
         except ValueError as e:
             raise BadRequest(str(e)) from None
 
@@ -303,13 +314,15 @@ class TokenizerManager:
                 reason, finished = {"type": "stop", "matched": st.detok.stopped_on}, True
         if finished:
             del self.in_flight[out.rid]
-        if finished or st.req.stream:
+        if finished or (st.req.stream and len(st.token_ids) - st.sent_tokens >= st.stream_interval):
             self._reply(st.client, self._client_output(st, out, reason, finished))
 
     def _with_text(self, st: _InFlight, entries: list | None) -> list | None:
-        """[logprob, id] pairs, with the token's text appended when the request asked for it."""
-        if entries is None or not st.req.return_text_in_logprobs or self.tokenizer is None:
-            return entries
+        """SGLang's logprob entries: [logprob, id, text], the text None unless the request asked for it."""
+        if entries is None:
+            return None
+        if not st.req.return_text_in_logprobs or self.tokenizer is None:
+            return [[e[0], e[1], None] for e in entries]
         return [[e[0], e[1], self.tokenizer.decode([e[1]])] for e in entries]
 
     def _client_output(self, st: _InFlight, out: TokenOutput, reason: dict | None, finished: bool) -> ClientOutput:
@@ -327,9 +340,9 @@ class TokenizerManager:
             lo = st.sent_tokens if stream else 0
             meta["output_token_logprobs"] = self._with_text(st, st.logprobs[lo:])
             meta["output_top_logprobs"] = [self._with_text(st, top) for top in st.top_logprobs[lo:]]
-            if st.input_logprobs is not None:
-                meta["input_token_logprobs"] = self._with_text(st, st.input_logprobs)
-                meta["input_top_logprobs"] = [self._with_text(st, top) for top in st.input_top_logprobs]
+            # SGLang always has the prompt's lists: empty when none were asked for (logprob_start_len -1)
+            meta["input_token_logprobs"] = self._with_text(st, st.input_logprobs or [])
+            meta["input_top_logprobs"] = [self._with_text(st, top) for top in st.input_top_logprobs or []]
         ids = st.token_ids[st.sent_tokens:] if stream else st.token_ids
         if stream and st.resent:
             meta["replaced_tokens"], st.resent = st.resent, 0

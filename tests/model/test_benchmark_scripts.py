@@ -16,7 +16,8 @@ def test_micro_benchmarks_quick():
                           capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
-    for title in ("## Radix cache", "## Scheduler overhead", "## This machine", "## SmolLM2-135M"):
+    for title in ("## Radix cache", "## Scheduler overhead", "## This machine", "## SmolLM2-135M",
+                  "## SGLang's native API"):
         assert title in out
     radix = re.search(r"^\| 1000 \| (\d+) \| ([\d,]+) \| ([\d,]+) \|", out, re.M)
     assert radix and int(radix.group(1)) > 64  # the tree grew past the trunks
@@ -113,3 +114,13 @@ def test_run_all_quick(tmp_path):
                              "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert redraw.returncode == 0, redraw.stderr[-2000:]
     assert all((tmp_path / png).exists() for png in ("throughput.png", "latency_cdf.png", "cache_hit.png"))
+
+
+def test_grammar_backends_quick():
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "grammar_backends.py"), "--quick"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = re.findall(r"^\| (\w+) \| (json|tools) \|((?: [\d.]+ \|){8})$", done.stdout, re.M)
+    assert [(b, w) for b, w, _ in rows] == [(b, w) for b in ("outlines", "llguidance", "xgrammar")
+                                            for w in ("json", "tools")], done.stdout
+    assert all(float(v) > 0 for _, _, cols in rows for v in cols.strip(" |").split(" | ")[:3])  # compiles take time

@@ -60,15 +60,15 @@ def test_prompt_and_output_logprobs_match_hf(tiny_llama):
     inputs = meta["input_token_logprobs"]
     assert len(inputs) == len(prompt) and inputs[0][0] is None
     for pos in range(1, len(prompt)):
-        lp, tok = inputs[pos]
+        lp, tok, _ = inputs[pos]
         assert tok == prompt[pos]
         assert lp == pytest.approx(ref[pos - 1, tok].item(), abs=LOGPROB_TOL)
     outputs = meta["output_token_logprobs"]
-    for i, (lp, tok) in enumerate(outputs):
+    for i, (lp, tok, _) in enumerate(outputs):
         assert lp == pytest.approx(ref[len(prompt) - 1 + i, tok].item(), abs=LOGPROB_TOL)
     top = meta["output_top_logprobs"][0]
     ref_top = ref[len(prompt) - 1].topk(3)
-    assert [t for _, t in top] == ref_top.indices.tolist()
+    assert [t for _, t, _ in top] == ref_top.indices.tolist()
     assert_drained(engine)
 
 
@@ -82,8 +82,8 @@ def test_prompt_logprobs_from_a_start_survive_chunking_and_cache(tiny_llama):
     ref = hf_logprobs(tiny_llama.hf, prompt)
     got = res["meta_info"]["input_token_logprobs"]
     assert res["output_ids"] == [] and res["meta_info"]["finish_reason"]["type"] == "length"
-    assert [t for _, t in got] == prompt[start:]
-    for k, (lp, tok) in enumerate(got):
+    assert [t for _, t, _ in got] == prompt[start:]
+    for k, (lp, tok, _) in enumerate(got):
         assert lp == pytest.approx(ref[start + k - 1, tok].item(), abs=LOGPROB_TOL)
     assert_drained(engine)
 
@@ -131,6 +131,32 @@ def test_stop_string_trims_text(smol):
     res = engine.generate(prompt, {"max_new_tokens": 16, "temperature": 0, "stop": ["Paris"]})
     assert res["meta_info"]["finish_reason"] == {"type": "stop", "matched": "Paris"}
     assert res["text"] == full["text"][: full["text"].index("Paris")]
+    assert_drained(engine)
+
+
+def test_no_stop_trim_keeps_the_stop_string(smol):
+    engine = smol.engine
+    prompt = engine.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    full = engine.generate(prompt, {"max_new_tokens": 16, "temperature": 0})["text"]
+    res = engine.generate(prompt, {"max_new_tokens": 16, "temperature": 0, "stop": "Paris", "no_stop_trim": True})
+    assert res["text"] == full[: full.index("Paris") + len("Paris")]
+    assert_drained(engine)
+
+
+@pytest.mark.parametrize("pattern", [r"\bParis\b", r"[.!]"])
+def test_stop_regex_ends_at_the_token_completing_the_first_match(smol, pattern):
+    """As in SGLang: the match stays in the text, and the finish reason names the pattern."""
+    import re
+
+    engine = smol.engine
+    prompt = engine.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    full = engine.generate(prompt, {"max_new_tokens": 24, "temperature": 0})
+    ids = full["output_ids"]
+    decode = engine.tokenizer.decode
+    k = next(k for k in range(1, len(ids) + 1) if re.search(pattern, decode(ids[:k], skip_special_tokens=False)))
+    res = engine.generate(prompt, {"max_new_tokens": 24, "temperature": 0, "stop_regex": [pattern]})
+    assert res["output_ids"] == ids[:k] and res["text"] == decode(ids[:k], skip_special_tokens=True)
+    assert res["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
     assert_drained(engine)
 
 

@@ -51,7 +51,7 @@ def _run(sched, got: dict | None = None, limit: int = 400) -> dict:
 def test_every_request_waiting_on_a_failed_compile_gets_its_400(smol, constraint, message):
     """Before: the first waiter took the failure and the second's poll raised KeyError inside the
     scheduler, which killed it."""
-    engine = smol.engine_with(constraint_timeout=2.0)
+    engine = smol.engine_with(constraint_timeout=2.0, grammar_backend="outlines")  # whose automata explode
     sched = engine.scheduler
     params = SamplingParams(max_new_tokens=4, **constraint)
     for rid in ("x0", "x1", "x2"):
@@ -76,7 +76,8 @@ def test_an_aborted_requests_compile_leaves_no_wait_behind(smol):
     """Before: the aborted request's finished compile stayed in the compiler's table, so waiting
     for 'any compile to end' returned at once from then on and the scheduler spun a core while
     another request waited on its constraint."""
-    engine = smol.engine_with(constraint_timeout=5.0)  # the slow compile outlasts the 1 s watched below
+    # outlines: its automaton explodes; the slow compile outlasts the 1 s watched below
+    engine = smol.engine_with(constraint_timeout=5.0, grammar_backend="outlines")
     sched = engine.scheduler
     sched.add_request(TokenizedRequest("quick", smol.prompts[0], SamplingParams(max_new_tokens=2, regex="[0-9]{3}")))
     sched.abort("quick")

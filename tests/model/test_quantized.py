@@ -103,8 +103,8 @@ def test_tensor_parallel_ranks_serve_their_slices_of_the_codes(served):
     with Engine(skip_tokenizer_init=True, tp_size=3, num_threads=1, max_total_tokens=4096) as engine:
         assert engine.server_info()["served_quantization"] == "int4"
         split = engine.generate(**kwargs)
-    a = [lp for lp, _ in single["meta_info"]["input_token_logprobs"][1:]]
-    b = [lp for lp, _ in split["meta_info"]["input_token_logprobs"][1:]]
+    a = [lp for lp, *_ in single["meta_info"]["input_token_logprobs"][1:]]
+    b = [lp for lp, *_ in split["meta_info"]["input_token_logprobs"][1:]]
     assert max(abs(x - y) for x, y in zip(a, b)) < 0.1  # partial sums of three ranks, each rounded to bf16
     assert single["output_ids"][0] == split["output_ids"][0]
 
@@ -150,7 +150,7 @@ def test_any_checkpoint_quantizes(tiny_llama, tiny_hf_int4, method, dtype):
         prompt = tiny_llama.prompts[1]
         out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1, "temperature": 0},
                               return_logprob=True, logprob_start_len=0)
-        ours = torch.tensor([lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]])
+        ours = torch.tensor([lp for lp, *_ in out["meta_info"]["input_token_logprobs"][1:]])
         hf = tiny_llama.hf if method == "int8" else tiny_hf_int4
         with torch.inference_mode():
             ref = hf_logprobs(hf, prompt)[:-1].gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)

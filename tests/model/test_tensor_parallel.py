@@ -49,7 +49,7 @@ def test_prompt_logprobs_agree_with_tp1(tiny_llama):
     with Engine(tiny_llama.path, skip_tokenizer_init=True, tp_size=2, max_total_tokens=4096) as engine:
         split = engine.generate(**kwargs)["meta_info"]
     for key in ("input_token_logprobs", "output_token_logprobs"):
-        for (a, tok_a), (b, tok_b) in zip(single[key][1:], split[key][1:]):
+        for (a, tok_a, _), (b, tok_b, _) in zip(single[key][1:], split[key][1:]):
             assert tok_a == tok_b and abs(a - b) < 1e-4, (key, a, b)
 
 

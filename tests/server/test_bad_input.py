@@ -41,6 +41,8 @@ NATIVE = [
     ({"text": "hi", "sampling_params": {"regex": "a", "json_schema": "{}"}}, "mutually exclusive"),
     ({"text": "hi", "sampling_params": {"json_schema": "{not json"}}, "json_schema"),
     ({"text": "hi", "sampling_params": {"json_schema": json.dumps(_nested_arrays(200))}}, "more than 128 deep"),
+    # (the test server runs --grammar-backend outlines, which has no grammars)
+    ({"text": "hi", "sampling_params": {"ebnf": 'root ::= "a"'}}, "ebnf grammars need --grammar-backend xgrammar"),
     ({"text": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, "'tools' goes with 'messages'"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f"}]}, "'tools' goes with 'messages'"),
     ({"messages": [{"content": "hi"}]}, "with a role"),

@@ -160,7 +160,7 @@ async def _run_set(url: str, plans: list[Plan], tag: str) -> list[tuple[Plan, tu
 @pytest.fixture(scope="module")
 def fuzz_server():
     # short generations and a short compile limit keep 200 sets within minutes; faults by token
-    srv = LiveServer("--constraint-timeout", "2", "--context-length", "512",
+    srv = LiveServer("--constraint-timeout", "2", "--context-length", "512", "--grammar-backend", "outlines",
                      launcher=(os.path.join(os.path.dirname(__file__), "faulty_server.py"),))
     yield srv
     assert srv.stop() == 0, srv.output()

@@ -51,6 +51,27 @@ def test_engine_streams_the_same_result_piece_by_piece(engine):
     assert engine.model_info()["chat_template"]
 
 
+def test_sglang_engine_calls(engine):
+    """SGLang's `Engine.generate` arguments and its streaming shape (each chunk everything so far)."""
+    params = {"max_new_tokens": 12, "temperature": 0}
+    whole = engine.generate("Once upon a time", params, rid="mine", lora_path=None, image_data=None,
+                            custom_logit_processor=None, return_hidden_states=False)
+    assert whole["meta_info"]["id"] == "mine"
+    chunks = list(engine.generate("Once upon a time", params, stream=True))
+    assert len(chunks) > 1 and chunks[-1]["text"] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
+    assert all(b["text"].startswith(a["text"]) for a, b in zip(chunks, chunks[1:]))
+    both = engine.generate(["Alpha beta gamma delta", "Epsilon zeta"], params, return_logprob=[True, False],
+                           logprob_start_len=[0, None])
+    first = both[0]["meta_info"]
+    assert len(first["input_token_logprobs"]) == first["prompt_tokens"] and first["input_token_logprobs"][0][0] is None
+    assert len(first["output_token_logprobs"]) == 12 and "output_token_logprobs" not in both[1]["meta_info"]
+    for refused, name in (({"lora_path": "adapter"}, "lora_path"), ({"image_data": "cat.png"}, "image_data")):
+        with pytest.raises(BadRequest, match=f"'{name}' is not supported"):
+            engine.generate("hi", params, **refused)
+    with pytest.raises(BadRequest, match="unknown field"):
+        engine.generate("hi", params, no_such_option=1)
+
+
 def test_leaving_a_stream_early_ends_its_request_and_frees_its_kv(engine):
     early = engine.stream("Write a long story.", {"max_new_tokens": 2000, "ignore_eos": True})
     rid = next(early)["meta_info"]["id"]

@@ -71,7 +71,8 @@ def _assert_logprobs_match_hf(smol, prompt: list[int], result: dict, start: int,
         output, meta["output_token_logprobs"], meta["output_top_logprobs"]))]
     assert len(scored) == len(prompt) - start + len(output), meta
     for pos, token, (lp, lp_token, *text), alts in scored:
-        assert lp_token == token and text == ([decode([token])] if with_text else []), (pos, lp_token, text)
+        # SGLang's entries: [logprob, id, text], the text null unless asked for
+        assert lp_token == token and text == [decode([token]) if with_text else None], (pos, lp_token, text)
         if pos == 0:  # nothing scores the first token
             assert lp is None and alts is None, (lp, alts)
             continue
@@ -115,17 +116,39 @@ def test_streaming_text_equals_non_streaming(server):
     body = {"text": CHAT.format("Write one sentence about cats."), "sampling_params": {"max_new_tokens": 30, "temperature": 0}}
     whole = post(server, "/generate", body).json()
     chunks = sse_events(server, {**body, "stream": True})
-    assert "".join(c["text"] for c in chunks) == whole["text"]
-    assert sum(len(c["output_ids"]) for c in chunks) == len(whole["output_ids"])
+    # SGLang's shape: each chunk holds everything so far, and it only grows
+    assert len(chunks) > 1 and chunks[-1]["text"] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
+    for before, after in zip(chunks, chunks[1:]):
+        assert after["text"].startswith(before["text"]) and len(after["output_ids"]) > len(before["output_ids"])
+        assert after["output_ids"][:len(before["output_ids"])] == before["output_ids"]
     assert chunks[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
+
+
+def test_stream_interval_sends_a_chunk_every_n_tokens(server):
+    body = {"text": CHAT.format("Write two sentences about dogs."), "stream": True,
+            "sampling_params": {"max_new_tokens": 21, "temperature": 0, "ignore_eos": True, "stream_interval": 5}}
+    counts = [len(c["output_ids"]) for c in sse_events(server, body)]
+    assert counts == [5, 10, 15, 20, 21]
+
+
+def test_streamed_logprobs_accumulate(server):
+    body = {"text": CHAT.format("Name three fruits."), "return_logprob": True, "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    whole = post(server, "/generate", body).json()["meta_info"]
+    last = sse_events(server, {**body, "stream": True})[-1]["meta_info"]
+    streamed, once = last["output_token_logprobs"], whole["output_token_logprobs"]
+    assert len(streamed) == 8 and [e[1] for e in streamed] == [e[1] for e in once]
+    assert [e[0] for e in streamed] == pytest.approx([e[0] for e in once], abs=1e-5)
+    assert [[t[1] for t in top] for top in last["output_top_logprobs"]] == [
+        [t[1] for t in top] for top in whole["output_top_logprobs"]]
 
 
 def test_stop_string_never_leaks_into_the_stream(server):
     body = {"text": CHAT.format("What is the capital of France?"),
             "sampling_params": {"max_new_tokens": 20, "temperature": 0, "stop": ["Paris"]}}
     chunks = sse_events(server, {**body, "stream": True})
-    text = "".join(c["text"] for c in chunks)
-    assert "Par" not in text and chunks[-1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": "Paris"}
+    text = chunks[-1]["text"]
+    assert not any("Par" in c["text"] for c in chunks) and chunks[-1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": "Paris"}
     assert post(server, "/generate", body).json()["text"] == text
 
 
@@ -134,8 +157,8 @@ def test_64_concurrent_streams(server):
     params = {"max_new_tokens": 12, "temperature": 0}
     expected = [r["text"] for r in post(server, "/generate", {"text": prompts, "sampling_params": params}).json()]
     with cf.ThreadPoolExecutor(64) as pool:
-        streamed = list(pool.map(lambda p: "".join(c["text"] for c in sse_events(
-            server, {"text": p, "sampling_params": params, "stream": True})), prompts))
+        streamed = list(pool.map(lambda p: sse_events(
+            server, {"text": p, "sampling_params": params, "stream": True})[-1]["text"], prompts))
     assert streamed == expected
     assert_kv_clean(server.url)
 
@@ -209,18 +232,15 @@ def test_disconnect_while_waiting_for_a_whole_result_aborts(server):
                     '"age": {"type": "integer"}}, "required": ["name", "age"]}'},
 ])
 def test_jump_forward_stream_equals_whole_result(server, constraint):
-    """Jump-forward may re-encode tokens already streamed: the text never changes, and a chunk's
-    `replaced_tokens` says how many streamed ids its ids replace."""
+    """Jump-forward may re-encode tokens already streamed: the text never changes, and each
+    chunk's ids are the output's ids so far (so they can change, not only grow)."""
     body = {"text": CHAT.format("Where are you going? Describe yourself."),
             "sampling_params": {"max_new_tokens": 60, "temperature": 0, **constraint}}
     whole = post(server, "/generate", body).json()
     chunks = sse_events(server, {**body, "stream": True})
-    assert "".join(c["text"] for c in chunks) == whole["text"]
-    ids = []
-    for c in chunks:
-        del ids[len(ids) - c["meta_info"].get("replaced_tokens", 0):]
-        ids.extend(c["output_ids"])
-    assert ids == whole["output_ids"]
-    if "regex" in constraint:
-        assert any("replaced_tokens" in c["meta_info"] for c in chunks)
+    assert chunks[-1]["text"] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
+    assert all(b["text"].startswith(a["text"]) for a, b in zip(chunks, chunks[1:]))
+    assert not any("replaced_tokens" in c["meta_info"] for c in chunks)
+    if "regex" in constraint:  # some chunk re-encoded ids an earlier one sent
+        assert any(b["output_ids"][:len(a["output_ids"])] != a["output_ids"] for a, b in zip(chunks, chunks[1:]))
     assert_kv_clean(server.url)

@@ -14,10 +14,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def readme_engine_example() -> str:
-    """The indented block of README.md that starts with the Engine import, as code."""
+    """The indented block of README.md that starts with `import radixlm`, as code."""
     with open(os.path.join(ROOT, "README.md")) as f:
         lines = f.read().splitlines()
-    start = lines.index("    from radixlm.runtime.engine import Engine")
+    start = lines.index("    import radixlm")
     end = next(i for i in range(start, len(lines)) if not lines[i].startswith("    "))
     return textwrap.dedent("\n".join(lines[start:end]))
 

@@ -109,6 +109,14 @@ def test_stop_string_spanning_tokens_never_leaks(tok):
     assert detok.stopped_on == stop
 
 
+def test_keep_stop_ends_the_text_with_the_stop_string(tok):
+    stop = " the lazy dog"
+    detok = IncrementalDetokenizer(tok, stop=[stop], keep_stop=True)
+    deltas = feed(detok, encode(tok, ASCII))
+    assert "".join(deltas) == detok.text == ASCII[:ASCII.index(stop) + len(stop)]
+    assert detok.stopped_on == stop
+
+
 def test_partial_stop_match_then_divergence_releases_held_text(tok):
     detok = IncrementalDetokenizer(tok, stop=["Hello"])
     first = detok.add(encode(tok, "Say Hel"))

@@ -7,10 +7,8 @@ import time
 
 import pytest
 import torch
-from outlines_core import Guide
-
 from radixlm.runtime.constrained.grammar import GrammarCompiler, GrammarError, apply_bitmask, grammar_bitmask
-from radixlm.runtime.constrained.vocabulary import end_token_id, vocabulary_from_bytes
+from radixlm.runtime.constrained.outlines_backend import OutlinesBackend
 
 TOKENS = {"a": 1, "b": 2, "ab": 3, "1": 4, "2": 5, "{": 6, "}": 7, '"': 8, ".": 9, "x": 40, "y": 70}
 VOCAB = 80  # wider than 64 so rows span three mask words
@@ -21,7 +19,7 @@ for _text, _id in TOKENS.items():
 
 
 def make_compiler(**kw) -> GrammarCompiler:
-    return GrammarCompiler(vocabulary_from_bytes(TABLE, EOS), end_token_id(TABLE), workers=1, **kw)
+    return GrammarCompiler(OutlinesBackend(TABLE, EOS), workers=1, **kw)
 
 
 @pytest.fixture()
@@ -31,9 +29,9 @@ def compiler():
     c.shutdown()
 
 
-def allowed(guide, grammar) -> set[int]:
+def allowed(matcher) -> set[int]:
     logits = torch.zeros(1, VOCAB)
-    apply_bitmask(logits, grammar_bitmask([(guide, grammar)], VOCAB, EOS))
+    apply_bitmask(logits, grammar_bitmask([matcher], VOCAB))
     return set(torch.isfinite(logits[0]).nonzero().flatten().tolist())
 
 
@@ -49,30 +47,31 @@ def _wait(c, key):
 
 def test_mask_allows_exactly_the_guides_tokens(compiler):
     grammar = _wait(compiler, ("regex", "(a|b)+[xy]"))
-    guide = Guide(grammar.index)
-    mask = grammar_bitmask([None, (guide, grammar)], VOCAB, EOS)
+    matcher = compiler.matcher(grammar)
+    mask = grammar_bitmask([None, matcher], VOCAB)
     logits = torch.zeros(2, VOCAB)
     apply_bitmask(logits, mask)
     assert torch.isfinite(logits[0]).all(), "an unconstrained row stays open"
-    assert set(torch.isfinite(logits[1]).nonzero().flatten().tolist()) == set(guide.get_tokens()) == {1, 2, 3}
-    guide.advance(3, return_tokens=False)
-    assert allowed(guide, grammar) == {1, 2, 3, 40, 70}
-    guide.advance(40, return_tokens=False)
-    assert allowed(guide, grammar) == {EOS}  # complete: only the end
+    assert set(torch.isfinite(logits[1]).nonzero().flatten().tolist()) == set(matcher.guide.get_tokens()) == {1, 2, 3}
+    matcher.advance(3)
+    assert allowed(matcher) == {1, 2, 3, 40, 70}
+    matcher.advance(40)
+    assert allowed(matcher) == {EOS}  # complete: only the end
 
 
 def test_an_optional_part_after_a_possible_end_stays_reachable(compiler):
     """outlines-core alone drops a token whose last byte leaves an accepting position for a
     non-accepting one: after "1", a float could never take "." (see constraint_regex.END_MARK)."""
     grammar = _wait(compiler, ("dtype", "float"))
-    guide = Guide(grammar.index)
-    guide.advance(4, return_tokens=False)  # "1": may end, or go on
-    assert allowed(guide, grammar) == {4, 5, 9, EOS}
-    guide.advance(9, return_tokens=False)  # "1.": must go on
-    assert allowed(guide, grammar) == {4, 5}
-    guide.advance(5, return_tokens=False)  # "1.2"
-    assert allowed(guide, grammar) == {4, 5, EOS}
-    assert grammar.allows(guide.get_state(), EOS, EOS) and not grammar.allows(guide.get_state(), 9, EOS)
+    matcher = compiler.matcher(grammar)
+    matcher.advance(4)  # "1": may end, or go on
+    assert allowed(matcher) == {4, 5, 9, EOS}
+    matcher.advance(9)  # "1.": must go on
+    assert allowed(matcher) == {4, 5}
+    matcher.advance(5)  # "1.2"
+    assert allowed(matcher) == {4, 5, EOS}
+    state = matcher.guide.get_state()
+    assert grammar.allows(state, EOS, EOS) and not grammar.allows(state, 9, EOS)
 
 
 def test_errors_name_the_problem_and_results_are_cached(compiler):

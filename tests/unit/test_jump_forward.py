@@ -8,7 +8,7 @@ from outlines_core import Guide
 from radixlm.runtime.constrained.constraint_regex import build_index
 
 from radixlm.runtime.constrained.grammar import compiler_factory
-from radixlm.runtime.constrained.jump_forward import Grammar
+from radixlm.runtime.constrained.outlines_backend import Grammar
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,7 @@ def tok(smol_tokenizer):
 
 @pytest.fixture(scope="module")
 def compiler(tok):
-    c = compiler_factory(tok, len(tok), [tok.eos_token_id])()
+    c = compiler_factory(tok, len(tok), [tok.eos_token_id], backend="outlines")()
     yield c
     c.shutdown()
 
@@ -29,7 +29,7 @@ def encode(tok, text):
 
 def walk(compiler, tok, regex: str, text: str) -> tuple[Grammar, Guide]:
     """A guide for `regex` after the canonical tokens of `text`."""
-    grammar = Grammar(build_index(("regex", regex), compiler.vocabulary))
+    grammar = Grammar(build_index(("regex", regex), compiler.backend.vocabulary))
     guide = Guide(grammar.index, max_rollback=8)
     for t in encode(tok, text):
         guide.advance(t, return_tokens=False)
@@ -37,26 +37,26 @@ def walk(compiler, tok, regex: str, text: str) -> tuple[Grammar, Guide]:
 
 
 def test_forced_text_stops_where_the_constraint_branches(compiler, tok):
-    jf = compiler.jump_forward
+    fw = compiler.backend.walk
     grammar, guide = walk(compiler, tok, r'\{"name": "[a-z]+", "age": (1|2)[0-9]\}', "")
-    forced = jf.forced(grammar, guide.get_state())
+    forced = fw.forced(grammar, guide.get_state())
     assert forced.text == b'{"name": "' and not forced.ends
     grammar, guide = walk(compiler, tok, r'\{"name": "[a-z]+", "age": (1|2)[0-9]\}', '{"name": "bob')
-    assert jf.forced(grammar, guide.get_state()).text == b""  # more letters or the closing quote
+    assert fw.forced(grammar, guide.get_state()).text == b""  # more letters or the closing quote
     grammar, guide = walk(compiler, tok, r'\{"name": "[a-z]+", "age": (1|2)[0-9]\}', '{"name": "bob"')
-    assert jf.forced(grammar, guide.get_state()).text == b', "age": '
+    assert fw.forced(grammar, guide.get_state()).text == b', "age": '
     grammar, guide = walk(compiler, tok, r'\{"name": "[a-z]+", "age": (1|2)[0-9]\}', '{"name": "bob", "age": 13')
-    forced = jf.forced(grammar, guide.get_state())
+    forced = fw.forced(grammar, guide.get_state())
     assert forced.text == b"}" and forced.ends
     grammar, guide = walk(compiler, tok, r"[0-9]+", "12")  # may end or go on: nothing is forced
-    forced = jf.forced(grammar, guide.get_state())
+    forced = fw.forced(grammar, guide.get_state())
     assert forced.text == b"" and not forced.ends
 
 
 def test_forced_text_of_shared_lead_bytes_stops_at_a_whole_character(compiler, tok):
-    jf = compiler.jump_forward
+    jf, fw = compiler.jump_forward, compiler.backend.walk
     grammar, guide = walk(compiler, tok, "x; (é|è)!", "x")
-    forced = jf.forced(grammar, guide.get_state())
+    forced = fw.forced(grammar, guide.get_state())
     assert forced.text == b"; \xc3"  # é and è share their first byte
     plan = jf.retokenize(encode(tok, "x"), forced.text)
     assert tok.decode(encode(tok, "x")[: plan.keep] + plan.tokens) == "x;"  # not the lone lead byte
@@ -89,9 +89,9 @@ def test_nothing_to_add_or_no_round_trip_means_no_jump(compiler, tok):
 
 
 def test_a_last_pre_token_nothing_can_join_is_appended(compiler, tok):
-    jf = compiler.jump_forward
+    jf, fw = compiler.jump_forward, compiler.backend.walk
     grammar, guide = walk(compiler, tok, r'\["(yes|no)"\]', "[")
-    forced = jf.forced(grammar, guide.get_state())
+    forced = fw.forced(grammar, guide.get_state())
     assert forced.text == b'"' and forced.next_bytes == frozenset(b"ny")
     plan = jf.retokenize(encode(tok, "["), forced.text, next_bytes=forced.next_bytes)
     assert plan.keep == 0 and plan.tokens == encode(tok, '["')  # a letter never joins `["`
@@ -102,6 +102,6 @@ def test_a_regex_that_admits_a_nul_byte_still_walks(compiler, tok):
     """The vocabulary holds the end mark's token (a NUL, one id past the model's): a regex without
     the mark that admits any character allows it, and the walk must pass over it."""
     grammar, guide = walk(compiler, tok, r"[^\n]{2,5}", "ab")
-    assert compiler.end_token in guide.get_tokens()
-    forced = compiler.jump_forward.forced(grammar, guide.get_state())
+    assert compiler.backend.end_token in guide.get_tokens()
+    forced = compiler.backend.walk.forced(grammar, guide.get_state())
     assert forced.text == b"" and not forced.ends

@@ -30,6 +30,10 @@ def test_routing_key_of_each_body_shape():
                                                              {"role": "user", "content": "u"}]})
     assert chat.startswith("system\x00s\x00user")
     assert routing_key("/generate", {"text": 5}) == ""
+    # Responses: the instructions first, so requests that share them share a replica
+    one = routing_key("/v1/responses", {"instructions": "be brief", "input": "hi"})
+    two = routing_key("/v1/responses", {"instructions": "be brief", "input": [{"role": "user", "content": "yo"}]})
+    assert one == "be brief\x00hi" and two == "be brief\x00user\x00yo\x00"
 
 
 def test_cache_aware_picks_the_replica_holding_the_prefix_unless_load_is_lopsided():

@@ -127,3 +127,30 @@ def test_to_dict_round_trips_and_copies() -> None:
     assert SamplingParams.from_dict(d) == params
     d["stop"].append("y")
     assert params.stop == ["x"]
+
+
+def test_sglang_fields_parse():
+    p = SamplingParams.from_dict({"stop_regex": r"\d+", "no_stop_trim": True, "sampling_seed": 9, "stream_interval": 4,
+                                  "custom_params": {"k": [1, "a"]}, "ebnf": 'root ::= "a"', "beam_width": None})
+    assert (p.stop_regex, p.no_stop_trim, p.seed, p.stream_interval) == ([r"\d+"], True, 9, 4)
+    assert p.custom_params == {"k": [1, "a"]} and p.ebnf == 'root ::= "a"'
+    assert SamplingParams.from_dict(p.to_dict()) == p
+    assert SamplingParams.from_dict({"seed": 3, "sampling_seed": 3}).seed == 3
+
+
+@pytest.mark.parametrize("params, fragment", [
+    ({"stop_regex": "("}, "not a valid regular expression"),
+    ({"stop_regex": ["ok", "x?"]}, "matches the empty string"),
+    ({"stop_regex": 5}, "stop_regex must be a string or a list of strings"),
+    ({"sampling_seed": 1, "seed": 2}, "disagree"),
+    ({"sampling_seed": "1"}, "seed must be an integer"),
+    ({"stream_interval": 0}, "stream_interval"),
+    ({"no_stop_trim": "yes"}, "no_stop_trim must be a boolean"),
+    ({"custom_params": [1]}, "custom_params must be an object"),
+    ({"custom_params": {"f": float("nan")}}, "custom_params must be JSON values"),
+    ({"beam_width": 4}, "beam_width is not supported"),
+    ({"watermark": {"key": 1}}, "watermark is not supported"),
+])
+def test_sglang_fields_refused_with_the_reason(params, fragment):
+    with pytest.raises(SamplingParamsError, match=fragment):
+        SamplingParams.from_dict(params)

@@ -10,11 +10,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from outlines_core import Guide
 
 from radixlm.runtime.constrained.constraint_regex import GrammarError, text_without, to_regex
 from radixlm.runtime.constrained.grammar import GrammarCompiler, apply_bitmask, grammar_bitmask
-from radixlm.runtime.constrained.vocabulary import end_token_id, vocabulary_from_bytes
+from radixlm.runtime.constrained.outlines_backend import OutlinesBackend
 
 TOKENS = ["<", "c", ">", "<c>", "1", "2", "}", "x", " "]
 EOS = 0
@@ -46,21 +45,21 @@ def test_bad_tags_are_refused_with_a_reason(tag, fragment):
 
 
 def test_text_is_free_until_the_trigger_and_the_body_follows_its_schema():
-    compiler = GrammarCompiler(vocabulary_from_bytes(TABLE, EOS), end_token_id(TABLE), workers=1)
+    compiler = GrammarCompiler(OutlinesBackend(TABLE, EOS), workers=1)
     try:
         compiler.submit(("structural_tag", TAG))
         while (grammar := compiler.poll(("structural_tag", TAG))) is None:
             time.sleep(0.01)
-        guide = Guide(grammar.index)
+        matcher = compiler.matcher(grammar)
 
         def allowed() -> set[str]:
             logits = torch.zeros(1, len(TABLE))
-            apply_bitmask(logits, grammar_bitmask([(guide, grammar)], len(TABLE), EOS))
+            apply_bitmask(logits, grammar_bitmask([matcher], len(TABLE)))
             return {"EOS" if i == EOS else TOKENS[i - 1] for i in torch.isfinite(logits[0]).nonzero().flatten().tolist()}
 
         def feed(*tokens: str) -> None:
             for t in tokens:
-                guide.advance(ID[t], return_tokens=False)
+                matcher.advance(ID[t])
 
         everything = set(TOKENS) | {"EOS"}
         assert allowed() == everything  # free text may hold anything, and may end

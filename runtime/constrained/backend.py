@@ -1,0 +1,112 @@
+"""What the scheduler needs of a grammar library, whichever one compiles the constraints
+(`--grammar-backend`): a compiled constraint per key, shared by every request that asks for it,
+and per request a `Matcher`, its place in that constraint.
+
+A backend compiles a key in two halves: `Builder.build` turns the key into something picklable
+(it may run in the compiler process, compile_worker.py, where a time limit and a memory cap hold)
+and `GrammarBackend.load` turns that into the compiled grammar in the scheduler's process. Each
+step the batch's matchers write their rows of one bitmask (`Matcher.fill_masks`: one call per
+matcher class, so a library that fills many rows at once in native threads does). Each backend's
+module imports its library only when that backend is made.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from radixlm.runtime.args import GRAMMAR_BACKENDS
+from radixlm.runtime.constrained.constraint_regex import ConstraintKey
+from radixlm.runtime.constrained.jump_forward import Forced
+
+
+class Matcher(ABC):
+    """One request's position in its compiled constraint.
+
+    Contract (the same on every backend, so that a wrapper may stand in front of any of them,
+    e.g. one that allows everything until a reasoning block ends and then delegates):
+    - `fill_masks` writes, for each (row, matcher), the tokens allowed next as bits of that row of
+      an int32 ``[B, ceil(V/32)]`` CPU tensor (bit j of word w is token 32w + j): EOS (the
+      backend's first EOS id) exactly where the text may end, never the model's other specials.
+    - `advance` takes one sampled token, never EOS (the scheduler does not feed it EOS).
+    - `rollback(n)` undoes the last n advanced tokens, n <= `max_rollback`.
+    - `forced()` is the text the constraint admits next whatever the model does (jump-forward).
+    """
+
+    @classmethod
+    def fill_masks(cls, rows: Sequence[tuple[int, Matcher]], mask: Any) -> None:
+        """Write each matcher's allowed tokens into `mask[row]` (rows start all ones)."""
+        for i, matcher in rows:
+            matcher.fill_mask(mask[i : i + 1])
+
+    @abstractmethod
+    def fill_mask(self, row: Any) -> None:
+        """The allowed tokens into `row`, a contiguous ``[1, W]`` int32 view."""
+
+    @abstractmethod
+    def advance(self, token: int) -> None: ...
+
+    @abstractmethod
+    def accepts(self, tokens: Sequence[int]) -> bool:
+        """Whether `tokens` may follow from here, one after another (the state does not change)."""
+
+    @abstractmethod
+    def can_end(self) -> bool:
+        """Whether the text so far is a whole match (EOS may come next)."""
+
+    @property
+    @abstractmethod
+    def max_rollback(self) -> int: ...
+
+    @abstractmethod
+    def rollback(self, n: int) -> None: ...
+
+    @abstractmethod
+    def forced(self) -> Forced:
+        """The bytes every continuation starts with; `ends` when after them only EOS may follow."""
+
+
+class Builder(ABC):
+    """The half of a compile that may run in the compiler process: picklable, sent there once."""
+
+    @abstractmethod
+    def build(self, key: ConstraintKey) -> Any:
+        """A picklable compiled form of `key`; raises GrammarError naming what is wrong."""
+
+
+class GrammarBackend(ABC):
+    name: str
+    # whether Builder.build runs in the compiler process (killable, memory-capped) or in a pool
+    # thread of the scheduler's process (for a library that is fast and bounds its own work)
+    in_process: bool = False
+
+    def __init__(self, builder: Builder) -> None:
+        self.builder = builder
+
+    @abstractmethod
+    def load(self, key: ConstraintKey, built: Any) -> Any:
+        """The compiled grammar, shared by every request on `key`, from what `build` returned."""
+
+    @abstractmethod
+    def matcher(self, grammar: Any) -> Matcher:
+        """A fresh matcher at the start of `grammar`, able to roll back RETOKENIZE_TOKENS tokens."""
+
+
+def make_backend(name: str, table: Sequence[bytes | None], eos_token_id: int,
+                 encode: Callable[[str], list[int]]) -> GrammarBackend:
+    """The `--grammar-backend` named `name` over a vocabulary's token bytes (`vocabulary.token_bytes`:
+    None for ids never allowed), its EOS and its tokenizer (text -> ids, no special tokens)."""
+    if name == "outlines":
+        from radixlm.runtime.constrained.outlines_backend import OutlinesBackend
+
+        return OutlinesBackend(table, eos_token_id)
+    if name == "llguidance":
+        from radixlm.runtime.constrained.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend(table, eos_token_id, encode)
+    if name == "xgrammar":
+        from radixlm.runtime.constrained.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend(table, eos_token_id)
+    raise ValueError(f"grammar backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {name!r}")

@@ -1,0 +1,78 @@
+"""The OpenAI Responses API: ``POST /v1/responses``, stateless.
+
+A request becomes a chat request (responses_protocol.to_chat) and runs the
+chat path: the same native body, the same reading of tool calls and reasoning
+(``ToolReader``, ``ReasoningReader``, ``ChoiceStream``); its answer is read back as output items, whole or as the
+Responses event stream. Nothing is stored, so the endpoints that read stored
+responses answer 404 saying so.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from radixlm.runtime.client import RequestFailed
+from radixlm.runtime.messages import GenerateRequest
+from radixlm.runtime.native import native_requests, native_result
+from radixlm.runtime.reasoning import reasoning_format
+from radixlm.runtime.server import openai_protocol as oa
+from radixlm.runtime.server import responses_protocol as rp
+from radixlm.runtime.server.http_server import (
+    HTTPError, ServerState, gather_outputs, json_body, merge_streams, run_until_done, sse_response,
+)
+from radixlm.runtime.server.openai_api import chat_body, check_model, parse_request
+
+
+def add_responses_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        req = parse_request(rp.ResponsesRequest, await json_body(request))
+        check_model(state, req.model)
+        try:
+            chat = rp.to_chat(req)
+        except ValueError as e:
+            raise HTTPError(str(e)) from None
+        parser = state.server_args.get("reasoning_parser")
+        reqs, _ = native_requests(chat_body(chat, reasoning_format(parser) if parser else None))
+        tools, reasoning = oa.ToolReader.of(chat), oa.ReasoningReader.of(chat, parser)
+        shell = rp.response_shell(req, state.model_name)
+        if req.stream:
+            return await sse_response(_stream(state, reqs, shell, oa.ChoiceStream(tools, reasoning)))
+        outs = await run_until_done(request, gather_outputs(state.client, reqs))
+        try:
+            answer = oa.chat_response([native_result(o) for o in outs], state.model_name, "", False, 0,
+                                      lambda _: "", tools, reasoning)
+        except oa.RequestAborted as e:
+            raise HTTPError(f"the request was aborted: {e}", 500) from None
+        return JSONResponse(rp.whole_response(shell, answer))
+
+    @app.api_route("/v1/responses/{rest:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)
+    async def stored(rest: str) -> Response:
+        raise HTTPError(f"/v1/responses/{rest} is not supported: this server is stateless and stores no "
+                        "responses (store=true is accepted, but nothing is kept)", 404)
+
+
+async def _stream(state: ServerState, reqs: list[GenerateRequest], shell: dict[str, Any],
+                  choice: oa.ChoiceStream) -> AsyncIterator[bytes]:
+    """The events of one response. The first is sent once the runtime has answered, so a request it
+    refuses gets a plain 4xx; a failure after that ends the stream with ``response.failed``."""
+    events = rp.EventStream(shell)
+    started = False
+    try:
+        async for _, out in merge_streams(state.client, reqs):
+            if not started:
+                yield events.start()
+                started = True
+            result = native_result(out)
+            finish = oa.openai_finish_reason(out.meta_info.get("finish_reason")) if out.finished else None
+            yield events.feed(choice.feed(result["text"], out.finished))
+            if out.finished:
+                usage = rp.usage(oa.aggregate_usage([result], 1))
+                yield events.finish(finish, usage)
+    except (RequestFailed, HTTPError, oa.RequestAborted) as e:
+        if not started:
+            raise HTTPError(f"the request was aborted: {e}", 500) if isinstance(e, oa.RequestAborted) else e
+        yield events.fail(str(e))
