@@ -215,7 +215,7 @@ def run_radixlm(backend: rl.Runtime, w: Workload, system: str) -> tuple[Result, 
     start = time.perf_counter()
     if w.program is not None:
         states = w.program.run_batch(w.args, backend=recorder)
-        failed = [st.error for st in states if st.error is not None]
+        failed = [st.error() for st in states if st.error() is not None]
         if failed:
             raise RuntimeError(f"{system} on {w.name}: {len(failed)} programs failed, first: {failed[0]}")
     else:

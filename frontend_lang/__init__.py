@@ -13,36 +13,51 @@
 
 from radixlm.lang.api import (
     Function,
+    GlobalConfig,
     assistant,
     assistant_begin,
     assistant_end,
+    flush_cache,
     function,
     gen,
     gen_int,
     gen_string,
     get_default_backend,
-    greedy_token,
+    get_server_info,
+    global_config,
+    image,
     select,
+    separate_reasoning,
     set_default_backend,
     system,
     system_begin,
     system_end,
-    token_length_normalized,
-    unconditional_likelihood_normalized,
     user,
     user_begin,
     user_end,
+    video,
 )
 from radixlm.lang.backends.base import Backend, BackendError
 from radixlm.lang.backends.runtime_endpoint import RuntimeEndpoint
 from radixlm.lang.chat_template import ChatTemplate, get_chat_template
+from radixlm.lang.choices import (
+    ChoicesDecision,
+    ChoicesSamplingMethod,
+    greedy_token,
+    greedy_token_selection,
+    token_length_normalized,
+    unconditional_likelihood_normalized,
+)
 from radixlm.lang.interpreter import ForkGroup, ProgramError, ProgramState
 
 
 def Runtime(model_path=None, attach=None, **server_args):  # noqa: N802 - a class to its users; imported late (torch)
-    """A local runtime in the background (or a running server's, `attach=url`), over ZeroMQ; see backends/runtime.py."""
+    """A local runtime in the background (or a running server's, `attach=url`), over ZeroMQ; see backends/runtime.py.
+    SGLang's `log_level` and `launch_timeout` are accepted (ours logs as configured and waits until ready)."""
     from radixlm.lang.backends.runtime import Runtime as _Runtime
 
+    server_args.pop("launch_timeout", None)
+    server_args.pop("log_level", None)
     return _Runtime(model_path, attach, **server_args)
 
 
@@ -53,11 +68,23 @@ def OpenAI(model, base_url=None, api_key=None, is_chat_model=True, chat_template
     return _OpenAI(model, base_url, api_key, is_chat_model, chat_template)
 
 
+def _unavailable(name: str):
+    def backend(*args, **kwargs):
+        raise NotImplementedError(f"{name}: radixlm has no {name} backend; OpenAI(model, base_url=...) talks to "
+                                  "any OpenAI-compatible server or proxy")
+
+    backend.__name__ = name
+    return backend
+
+
+Anthropic, Crusoe, LiteLLM, VertexAI = (_unavailable(n) for n in ("Anthropic", "Crusoe", "LiteLLM", "VertexAI"))
+
 __all__ = [
-    "Backend", "BackendError", "ChatTemplate", "ForkGroup", "Function", "OpenAI", "ProgramError", "ProgramState",
-    "Runtime",
-    "RuntimeEndpoint", "assistant", "assistant_begin", "assistant_end", "function", "gen", "gen_int", "gen_string",
-    "get_chat_template", "get_default_backend", "greedy_token", "select", "set_default_backend", "system",
-    "system_begin", "system_end", "token_length_normalized", "unconditional_likelihood_normalized", "user",
-    "user_begin", "user_end",
+    "Anthropic", "Backend", "BackendError", "ChatTemplate", "ChoicesDecision", "ChoicesSamplingMethod", "Crusoe",
+    "ForkGroup", "Function", "GlobalConfig", "LiteLLM", "OpenAI", "ProgramError", "ProgramState", "Runtime",
+    "RuntimeEndpoint", "VertexAI", "assistant", "assistant_begin", "assistant_end", "flush_cache", "function", "gen",
+    "gen_int", "gen_string", "get_chat_template", "get_default_backend", "get_server_info", "global_config",
+    "greedy_token", "greedy_token_selection", "image", "select", "separate_reasoning", "set_default_backend",
+    "system", "system_begin", "system_end", "token_length_normalized", "unconditional_likelihood_normalized", "user",
+    "user_begin", "user_end", "video",
 ]

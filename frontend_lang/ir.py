@@ -33,19 +33,36 @@ class Concat(Expr):
 
 @dataclass
 class Gen(Expr):
-    """Generate into variable `name`; `params` are native sampling params (max_new_tokens, stop, regex, ...)."""
+    """Generate into variable `name`; `params` are native sampling params (max_new_tokens, stop,
+    regex, ...) and the body's logprob options (return_logprob, logprob_start_len, ...)."""
 
     name: str | None
     params: dict[str, Any] = field(default_factory=dict)
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
 
 
 @dataclass
 class Select(Expr):
     name: str | None
     choices: list[str]
-    method: str = "token_length_normalized"
+    method: Any  # a ChoicesSamplingMethod (choices.py)
+
+
+@dataclass
+class SeparateReasoning(Expr):
+    """Split the variables of the gens and selects in `expr` (just run) into reasoning and answer."""
+
+    names: list[str]
+    model_type: str
+
+
+@dataclass
+class VarScopeBegin(Expr):
+    name: str
+
+
+@dataclass
+class VarScopeEnd(Expr):
+    name: str
 
 
 @dataclass

@@ -17,12 +17,11 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from radixlm.lang.api import token_length_normalized
-from radixlm.lang.backends.base import Backend, BackendError, Call
+from radixlm.lang.backends.base import Backend, BackendError, Call, ChoiceLogprobs
 from radixlm.lang.chat_template import ChatTemplate, get_chat_template
 
 _STANDARD = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "stop": "stop",
-             "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty", "seed": "seed"}
+             "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty", "seed": "seed", "n": "n"}
 _EXTENSIONS = {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty", "regex": "regex",
                "ignore_eos": "ignore_eos", "min_new_tokens": "min_tokens", "stop_token_ids": "stop_token_ids"}
 
@@ -46,11 +45,11 @@ class OpenAI(Backend):
     def model_info(self) -> dict[str, Any]:
         return {"model_path": self.model}
 
-    def generate(self, call: Call) -> dict[str, Any]:
+    def generate(self, call: Call) -> dict[str, Any] | list[dict[str, Any]]:
         r = self._create(call, stream=False)
-        choice = r.choices[0]
-        text = (choice.message.content or "") if self.is_chat_model else choice.text
-        return {"text": text, "output_ids": [], "meta_info": {**_usage(r.usage), "finish_reason": {"type": choice.finish_reason}}}
+        results = [{"text": (c.message.content or "") if self.is_chat_model else c.text, "output_ids": [],
+                    "meta_info": {**_usage(r.usage), "finish_reason": {"type": c.finish_reason}}} for c in r.choices]
+        return results if call.sampling_params.get("n", 1) > 1 else results[0]
 
     def stream(self, call: Call) -> Iterator[dict[str, Any]]:
         for chunk in self._create(call, stream=True):
@@ -61,23 +60,21 @@ class OpenAI(Backend):
             meta = {"finish_reason": {"type": choice.finish_reason}} if choice.finish_reason else {}
             yield {"text": text, "output_ids": [], "meta_info": meta}
 
-    def select(self, call: Call, choices: list[str], method: str) -> dict[str, Any]:
-        """Mean logprob of each choice's tokens after the text (the prompt echoed with logprobs)."""
+    def choice_logprobs(self, call: Call, choices: list[str], unconditional: bool) -> ChoiceLogprobs:
+        """The logprobs of each choice's tokens after the text (the prompt echoed with logprobs)."""
         if self.is_chat_model:
             raise BackendError("select needs the logprobs of given text, which chat completions do not return: "
                                "use OpenAI(..., is_chat_model=False) with a server whose completions offer echo "
                                "and logprobs, or the RuntimeEndpoint backend")
-        if method != token_length_normalized:
-            raise BackendError(f"through the OpenAI API select scores by {token_length_normalized} only, not {method}")
-        scores = [self._choice_score(call.text, choice) for choice in choices]
-        best = max(range(len(choices)), key=scores.__getitem__)
-        return {"text": choices[best], "output_ids": [],
-                "meta_info": {"choices": choices, "normalized_scores": scores, "selected_index": best}}
+        if unconditional:
+            raise BackendError("unconditional_likelihood_normalized needs logprobs without the prompt, which the "
+                               "OpenAI API cannot give: use the RuntimeEndpoint backend")
+        return ChoiceLogprobs([self._choice_tokens(call.text, choice) for choice in choices], None, {})
 
     def cache_prefix(self, text: str) -> None:
         """Nothing to send: OpenAI-compatible servers cache prompts on their own."""
 
-    def _choice_score(self, text: str, choice: str) -> float:
+    def _choice_tokens(self, text: str, choice: str) -> list[list[Any]]:
         try:
             r = self.client.completions.create(model=self.model, prompt=text + choice, max_tokens=0, echo=True,
                                                logprobs=0, temperature=0)
@@ -88,10 +85,13 @@ class OpenAI(Backend):
             raise BackendError("the server returned no prompt logprobs for echo: select is not possible through it")
         # the choice's tokens: those that end past the text (the first may also hold its last characters)
         ends = [*lp.text_offset[1:], len(text + choice)]
-        own = [x for end, x in zip(ends, lp.token_logprobs) if end > len(text) and x is not None]
-        return sum(own) / len(own) if own else float("-inf")
+        return [[x, None, token] for end, x, token in zip(ends, lp.token_logprobs, lp.tokens)
+                if end > len(text) and x is not None]
 
     def _create(self, call: Call, stream: bool) -> Any:
+        if call.options:
+            raise BackendError(f"{', '.join(call.options)} need the RuntimeEndpoint backend: the OpenAI API "
+                               "returns no such logprobs")
         kwargs = self._arguments(call.sampling_params)
         try:
             if self.is_chat_model:

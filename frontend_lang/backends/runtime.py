@@ -26,7 +26,7 @@ class Runtime(Backend):
             raise BackendError(f"{attach} does not offer a ZeroMQ address to attach to")
         self.engine = Engine.attach(address)
 
-    def generate(self, call: Call) -> dict[str, Any]:
+    def generate(self, call: Call) -> dict[str, Any] | list[dict[str, Any]]:
         try:
             return self.engine.generate(**_arguments(call))
         except ValueError as e:  # refused by the runtime (RequestFailed, BadRequest, SamplingParamsError)
@@ -41,13 +41,16 @@ class Runtime(Backend):
     def model_info(self) -> dict[str, Any]:
         return self.engine.model_info()
 
-    def flush_cache(self) -> None:
-        self.engine.flush_cache()
+    def flush_cache(self) -> bool:
+        return self.engine.flush_cache()
+
+    def get_server_info(self) -> dict[str, Any]:
+        return self.engine.server_info()
 
     def shutdown(self) -> None:
         self.engine.shutdown()
 
 
 def _arguments(call: Call) -> dict[str, Any]:
-    return {"prompt": call.text, "sampling_params": call.sampling_params, "return_logprob": call.return_logprob,
-            "top_logprobs_num": call.top_logprobs_num}
+    # only the options the program set: Engine.stream takes fewer than generate
+    return {"prompt": call.text, "sampling_params": call.sampling_params, **call.options}

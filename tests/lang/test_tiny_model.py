@@ -44,7 +44,7 @@ def test_primitives_on_a_tiny_random_model(tiny_path):
     finally:
         backend.shutdown()
     assert state["pick"] in ("red", "green", "blue")
-    assert re.fullmatch(r"-?[0-9]*", state["number"])  # an int literal, possibly cut by max_tokens
+    assert re.fullmatch(r"[-+]?[0-9]*", state["number"])  # an int literal, possibly cut by max_tokens
     assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", state["code"])
     assert state["branches"][0] == state["branches"][1]  # greedy: the branches agree
     raw = LocalEngine(tiny_path, max_total_tokens=8192)

@@ -27,8 +27,9 @@ class Scripted(rl.Backend):
         if params.get("max_new_tokens") == 0:
             self.prefixes.append(body["text"])
             return {"text": "", "output_ids": [], "meta_info": {}}
-        if "choices" in params:
-            return {"text": params["choices"][-1], "output_ids": [], "meta_info": {"selected_index": 1}}
+        if "choices" in params:  # the last choice scores best
+            lps = [[-1.0 - (len(params["choices"]) - i)] for i in range(len(params["choices"]))]
+            return {"text": params["choices"][-1], "output_ids": [], "meta_info": {"choice_token_logprobs": lps}}
         return {"text": self.reply, "output_ids": [1], "meta_info": {"cached_tokens": 0}}
 
     def stream(self, call):
@@ -143,7 +144,7 @@ def test_gen_arguments_map_to_native_sampling_params():
     assert isinstance(rl.gen("y", choices=["a", "b"]), type(rl.select("y", ["a", "b"])))
     with pytest.raises(ValueError):
         rl.select("z", [])
-    with pytest.raises(TypeError, match="run"):
+    with pytest.raises(RuntimeError, match="no backend"):  # as SGLang: calling a program runs it
         chat("not a state", "q")
 
 
