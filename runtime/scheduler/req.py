@@ -61,6 +61,8 @@ class Req:
         self.input_logprobs: list[float | None] | None = None
         self.input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
         self.input_logprobs_sent = False
+        if self.wants_input_logprobs and self.prompt_len == 1:  # position 0 alone: no logprob, nothing to compute
+            self.input_logprobs, self.input_top_logprobs = [None], [None]
         self.grammar_key: tuple[str, str] | None = None  # constraint, while its index compiles
         self.grammar: Any = None  # its compiled Grammar, once ready
         self.guide: Any = None  # its constrained.backend.Matcher: its place in the constraint

@@ -72,6 +72,16 @@ def test_prompt_and_output_logprobs_match_hf(tiny_llama):
     assert_drained(engine)
 
 
+def test_a_one_token_prompt_has_its_one_null_prompt_logprob(tiny_llama):
+    engine = tiny_llama.engine()
+    token = tiny_llama.prompts[3][0]
+    res = engine.generate(input_ids=[token], sampling_params={"max_new_tokens": 2, "temperature": 0},
+                          return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
+    assert res["meta_info"]["input_token_logprobs"] == [[None, token, None]]
+    assert res["meta_info"]["input_top_logprobs"] == [None] and len(res["meta_info"]["output_token_logprobs"]) == 2
+    assert_drained(engine)
+
+
 def test_prompt_logprobs_from_a_start_survive_chunking_and_cache(tiny_llama):
     engine = tiny_llama.engine(chunked_prefill_size=8)
     prompt = tiny_llama.prompts[7]  # shares a 40-token prefix with other prompts
