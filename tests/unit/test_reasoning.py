@@ -133,11 +133,8 @@ def _encode(text: str) -> list[int]:  # greedy longest match over the toy vocabu
 
 @pytest.fixture(scope="module", params=GRAMMAR_BACKENDS)
 def matcher(request):
-    """A maker of fresh matchers on REGEX, from one backend."""
-    try:
-        backend = make_backend(request.param, TABLE, EOS, _encode)
-    except ImportError as e:
-        pytest.skip(f"{request.param} is not installed: {e}")
+    """A maker of fresh matchers on REGEX, from one backend (all three are dependencies: none skips)."""
+    backend = make_backend(request.param, TABLE, EOS, _encode)
     grammar = backend.load(REGEX, backend.builder.build(REGEX))
     return lambda: backend.matcher(grammar)
 
