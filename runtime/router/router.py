@@ -28,7 +28,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from radixlm.runtime.router import POLICIES
 from radixlm.runtime.router.prefix_tree import PrefixTree
-from radixlm.runtime.server.http_server import (
+from radixlm.runtime.server.http_common import (
     MAX_REQUEST_BYTES, Guard, HTTPError, error_response, json_body, run_until_done,
 )
 

@@ -1,50 +1,33 @@
-"""The HTTP server: SGLang's native API (and, from openai_api.py, the OpenAI API) over one RuntimeClient."""
+"""The HTTP server: the FastAPI app (``create_app``) with SGLang's native API (and, from openai_api.py
+and responses_api.py, the OpenAI API) over one RuntimeClient. What the endpoints share lives
+apart: http_common.py (errors, bodies, ``Guard``), sse.py, server_state.py (``ServerState``)."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncIterator
 
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from radixlm.runtime.client import RequestFailed, RuntimeClient
-from radixlm.runtime.messages import ClientOutput, GenerateRequest
+from radixlm.runtime.messages import GenerateRequest
 from radixlm.runtime.native import GENERATE_BODY_SCHEMA, BadRequest, CumulativeStream, native_requests, native_result
 from radixlm.runtime.reasoning import reasoning_format, split_reasoning
-from radixlm.runtime.server.metrics import Metrics
+from radixlm.runtime.server.http_common import (
+    MAX_REQUEST_BYTES, Guard, HTTPError, error_response, json_body, run_until_done,
+)
+from radixlm.runtime.server.openai_api import add_openai_routes
+from radixlm.runtime.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from radixlm.runtime.server.responses_api import add_responses_routes
+from radixlm.runtime.server.responses_protocol import ResponsesRequest
+from radixlm.runtime.server.server_state import ServerState, gather_outputs, merge_streams
+from radixlm.runtime.server.sse import sse, sse_response
 
 log = logging.getLogger("radixlm.http")
-
-
-class HTTPError(Exception):
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class ServerState:
-    """What the endpoints share: the client, the runtime's facts, and whether all processes live."""
-
-    def __init__(self, client: RuntimeClient, info: dict[str, Any], server_args: dict[str, Any], model_name: str) -> None:
-        self.client = client
-        self.info = info
-        self.server_args = server_args
-        self.model_name = model_name
-        self.started = int(time.time())
-        self.metrics = Metrics()
-        client.on_finish = self.metrics.observe
-        self.dead: str | None = None  # set by the watchdog when a runtime process dies
-
-
-# Largest request body accepted (bytes): a full context of text is far below this.
-MAX_REQUEST_BYTES = 32 << 20
 
 
 def create_app(state: ServerState, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
@@ -152,11 +135,6 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
         out = [native_result(r) for r in results]
         return JSONResponse(out[0] if single else out)
 
-    from radixlm.runtime.server.openai_api import add_openai_routes
-    from radixlm.runtime.server.openai_protocol import ChatCompletionRequest, CompletionRequest
-    from radixlm.runtime.server.responses_api import add_responses_routes
-    from radixlm.runtime.server.responses_protocol import ResponsesRequest
-
     add_openai_routes(app, state)
     add_responses_routes(app, state)
     document_bodies(app, {
@@ -193,80 +171,6 @@ def document_bodies(app: FastAPI, bodies: dict[str, dict[str, Any] | type]) -> N
     app.openapi = openapi
 
 
-class Guard:
-    """ASGI middleware in front of every endpoint: the API key, then the body size. Plain ASGI
-    (not a Starlette BaseHTTPMiddleware), so streams and disconnects pass through untouched."""
-
-    def __init__(self, app: Any, api_key: str | None, max_request_bytes: int) -> None:
-        self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        refusal = self._refusal(scope) if scope["type"] == "http" else None
-        if refusal is not None:
-            await error_response(*refusal)(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-    def _refusal(self, scope: dict) -> tuple[str, int] | None:
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key and scope["path"] != "/health":
-            scheme, _, token = headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-                return "missing or wrong API key: send the header 'Authorization: Bearer <key>'", 401
-        if scope["method"] in ("POST", "PUT", "PATCH"):
-            length = headers.get("content-length")
-            if length is None:
-                return "a request body needs a Content-Length header", 411
-            if not length.isdigit():
-                return f"bad Content-Length {length!r}", 400
-            if int(length) > self.max_request_bytes:
-                return f"request body of {length} bytes is over the limit of {self.max_request_bytes} bytes", 413
-        return None
-
-
-def error_response(message: str, status: int = 400) -> JSONResponse:
-    """Errors in OpenAI's shape on every endpoint (native ones too)."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    if status == 404:
-        kind = "not_found_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}},
-                        status_code=status)
-
-
-async def json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise HTTPError(f"the body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise HTTPError("the body must be a JSON object")
-    return body
-
-
-async def gather_outputs(client: RuntimeClient, reqs: list[GenerateRequest]) -> list[ClientOutput]:
-    """Every request's final output. When one fails, the rest are aborted: the caller gets the
-    error alone, and nobody would read their outputs (gather alone would leave them running)."""
-    tasks = [asyncio.ensure_future(client.generate(r)) for r in reqs]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for t in tasks:  # a no-op for the finished ones
-            t.cancel()
-
-
-async def run_until_done(request: Request, work: Awaitable[Any]) -> Any:
-    """Await `work`, cancelling it (which aborts its requests) if the HTTP client disconnects."""
-    task = asyncio.ensure_future(work)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            raise HTTPError("client disconnected", 499)
-
-
 async def stream_native(client: RuntimeClient, reqs: list[GenerateRequest], single: bool,
                         cumulative: bool = True) -> AsyncIterator[bytes]:
     """SSE chunks in the native shape: each with everything so far (SGLang's default), or with
@@ -278,57 +182,3 @@ async def stream_native(client: RuntimeClient, reqs: list[GenerateRequest], sing
             chunk["index"] = index
         yield sse(chunk)
     yield b"data: [DONE]\n\n"
-
-
-async def merge_streams(client: RuntimeClient, reqs: list[GenerateRequest]) -> AsyncIterator[tuple[int, ClientOutput]]:
-    """Interleave the outputs of several streaming requests as they arrive, tagged by index."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, req: GenerateRequest) -> None:
-        try:
-            async for out in client.stream(req):
-                await queue.put((i, out))
-        except RequestFailed as e:
-            await queue.put((i, e))
-        finally:
-            await queue.put((i, None))
-
-    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(reqs)]
-    try:
-        remaining = len(reqs)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, RequestFailed):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:  # cancelling aborts requests still running (client went away)
-            t.cancel()
-
-
-def sse(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-async def sse_response(chunks: AsyncIterator[bytes]) -> Response:
-    """Stream server-sent events. The first chunk is awaited here, so a refused request
-    (bad input) gets a plain 4xx response instead of an event stream."""
-    it = chunks.__aiter__()
-    try:
-        first = await it.__anext__()
-    except (RequestFailed, HTTPError) as e:
-        return error_response(str(e), e.status)
-
-    async def body() -> AsyncIterator[bytes]:
-        yield first
-        try:
-            async for chunk in it:
-                yield chunk
-        except (RequestFailed, HTTPError) as e:
-            yield sse({"error": {"message": str(e), "code": e.status}})
-            yield b"data: [DONE]\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream")

@@ -1,8 +1,9 @@
 """The OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions.
 
 Each request is validated with the models in openai_protocol.py, turned into
-the native /generate body, run through the same path as /generate, and
-answered in OpenAI's shapes (whole objects or SSE chunks).
+the native /generate body (openai_to_native.py), run through the same path as
+/generate, and answered in OpenAI's shapes (openai_builders.py: whole objects or
+SSE chunks), its tool calls and reasoning read by output_readers.py.
 """
 
 from __future__ import annotations
@@ -15,12 +16,18 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from radixlm.runtime.messages import GenerateRequest
-from radixlm.runtime.server import openai_protocol as oa
 from radixlm.runtime.native import native_requests, native_result
 from radixlm.runtime.reasoning import ReasoningFormat, reasoning_format
-from radixlm.runtime.server.http_server import (
-    HTTPError, ServerState, gather_outputs, json_body, merge_streams, run_until_done, sse, sse_response,
+from radixlm.runtime.server.http_common import HTTPError, json_body, run_until_done
+from radixlm.runtime.server.openai_builders import (
+    RequestAborted, aggregate_usage, chat_chunk, chat_logprobs, chat_response, completion_chunk, completion_logprobs,
+    completion_response, new_request_id, openai_finish_reason, usage_chunk,
 )
+from radixlm.runtime.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from radixlm.runtime.server.openai_to_native import chat_messages, chat_to_generate, completion_to_generate
+from radixlm.runtime.server.output_readers import ChoiceStream, ReasoningReader, ToolReader
+from radixlm.runtime.server.server_state import ServerState, gather_outputs, merge_streams
+from radixlm.runtime.server.sse import sse, sse_response
 
 
 def add_openai_routes(app: FastAPI, state: ServerState) -> None:
@@ -31,56 +38,56 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = parse_request(oa.CompletionRequest, await json_body(request))
+        req = parse_request(CompletionRequest, await json_body(request))
         check_model(state, req.model)
-        body = oa.completion_to_generate(req)
+        body = completion_to_generate(req)
         body["return_text_in_logprobs"] = req.logprobs is not None
         if req.echo and not isinstance(body.get("text"), (str, list)):
             raise HTTPError("echo is supported for text prompts only")
         echo = _echo_prompts(req) if req.echo else None
-        return await _run(request, state, body, req, chat=False, build=lambda results, rid: oa.completion_response(
+        return await _run(request, state, body, req, chat=False, build=lambda results, rid: completion_response(
             results, state.model_name, rid, echo, req.logprobs, _decoder(results), n=req.n))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = parse_request(oa.ChatCompletionRequest, await json_body(request))
+        req = parse_request(ChatCompletionRequest, await json_body(request))
         check_model(state, req.model)
         parser = state.server_args.get("reasoning_parser")
         body = chat_body(req, reasoning_format(parser) if parser else None)
         body["return_text_in_logprobs"] = bool(req.logprobs)
-        tools = oa.ToolReader.of(req)
-        reasoning = oa.ReasoningReader.of(req, parser)
+        tools = ToolReader.of(req)
+        reasoning = ReasoningReader.of(req, parser)
         return await _run(request, state, body, req, chat=True, tools=tools, reasoning=reasoning,
-                          build=lambda results, rid: oa.chat_response(
+                          build=lambda results, rid: chat_response(
                               results, state.model_name, rid, bool(req.logprobs), req.top_logprobs or 0,
                               _decoder(results), tools, reasoning))
 
 
 async def _run(request: Request, state: ServerState, body: dict[str, Any], req: Any, chat: bool,
                build: Callable[[list[dict[str, Any]], str], dict[str, Any]],
-               tools: oa.ToolReader | None = None, reasoning: oa.ReasoningReader | None = None) -> Response:
+               tools: ToolReader | None = None, reasoning: ReasoningReader | None = None) -> Response:
     """Run a converted request: stream chunks, or wait for every result and `build` the answer."""
     reqs, _ = native_requests(body)
-    rid = oa.new_request_id()
+    rid = new_request_id()
     if req.stream:
         return await sse_response(_stream(state, reqs, req, rid, chat, tools, reasoning))
     outs = await run_until_done(request, gather_outputs(state.client, reqs))
     results = [native_result(o) for o in outs]
     try:
         return JSONResponse(build(results, rid))
-    except oa.RequestAborted as e:
+    except RequestAborted as e:
         raise HTTPError(f"the request was aborted: {e}", 500) from None
 
 
-def chat_body(req: oa.ChatCompletionRequest, reasoning: ReasoningFormat | None = None) -> dict[str, Any]:
+def chat_body(req: ChatCompletionRequest, reasoning: ReasoningFormat | None = None) -> dict[str, Any]:
     """The native body of a chat request (also /v1/responses'): the messages, not a prompt text,
     since the tokenizer process renders them with the model's template. With the server's
     `reasoning` format (--reasoning-parser), a constraint waits for the reasoning to end."""
     try:
-        messages = oa.chat_messages(req)
+        messages = chat_messages(req)
     except ValueError as e:
         raise HTTPError(str(e)) from None
-    body = oa.chat_to_generate(req, prompt_text="", reasoning=reasoning)
+    body = chat_to_generate(req, prompt_text="", reasoning=reasoning)
     del body["text"]
     body["messages"] = messages
     return body
@@ -100,7 +107,7 @@ def check_model(state: ServerState, name: str | None) -> None:
         raise HTTPError(f"model {name!r} does not exist; this server serves {state.model_name!r}", 404)
 
 
-def _echo_prompts(req: oa.CompletionRequest) -> list[str]:
+def _echo_prompts(req: CompletionRequest) -> list[str]:
     return [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
 
 
@@ -125,26 +132,26 @@ def _decoder(results: list[dict[str, Any]]) -> Callable[[int], str]:
 
 
 async def _stream(state: ServerState, reqs: list[GenerateRequest], req: Any, rid: str, chat: bool,
-                  tools: oa.ToolReader | None, reasoning: oa.ReasoningReader | None) -> AsyncIterator[bytes]:
+                  tools: ToolReader | None, reasoning: ReasoningReader | None) -> AsyncIterator[bytes]:
     created = int(time.time())
     model = state.model_name
     finals: dict[int, dict[str, Any]] = {}
     started: set[int] = set()
-    choice_streams: dict[int, oa.ChoiceStream] = {}
+    choice_streams: dict[int, ChoiceStream] = {}
     async for index, out in merge_streams(state.client, reqs):
         result = native_result(out)
         try:
-            finish = oa.openai_finish_reason(out.meta_info.get("finish_reason")) if out.finished else None
-        except oa.RequestAborted as e:
+            finish = openai_finish_reason(out.meta_info.get("finish_reason")) if out.finished else None
+        except RequestAborted as e:
             raise HTTPError(f"the request was aborted: {e}", 500) from None
         if out.finished:
             finals[index] = result
         if not chat:
-            lp = oa.completion_logprobs(result["meta_info"], _decoder([result])) if req.logprobs is not None else None
-            yield sse(oa.completion_chunk(rid, model, created, index, result["text"], finish, lp))
+            lp = completion_logprobs(result["meta_info"], _decoder([result])) if req.logprobs is not None else None
+            yield sse(completion_chunk(rid, model, created, index, result["text"], finish, lp))
             continue
-        lp = oa.chat_logprobs(result["meta_info"], req.top_logprobs or 0, _decoder([result])) if req.logprobs else None
-        stream = choice_streams.setdefault(index, oa.ChoiceStream(tools, reasoning))
+        lp = chat_logprobs(result["meta_info"], req.top_logprobs or 0, _decoder([result])) if req.logprobs else None
+        stream = choice_streams.setdefault(index, ChoiceStream(tools, reasoning))
         deltas = stream.feed(result["text"], out.finished)
         if finish is not None and stream.called:
             finish = tools.finish_reason(finish)
@@ -155,9 +162,9 @@ async def _stream(state: ServerState, reqs: list[GenerateRequest], req: Any, rid
                 delta = {"role": "assistant", **delta}
                 started.add(index)
             last = i == len(deltas) - 1
-            yield sse(oa.chat_chunk(rid, model, created, index, delta, finish if last else None,
-                                    lp if i == 0 else None))
+            yield sse(chat_chunk(rid, model, created, index, delta, finish if last else None,
+                                 lp if i == 0 else None))
     if req.include_usage:
         ordered = [finals[i] for i in sorted(finals)]
-        yield sse(oa.usage_chunk(rid, model, created, oa.aggregate_usage(ordered, req.n), chat=chat))
+        yield sse(usage_chunk(rid, model, created, aggregate_usage(ordered, req.n), chat=chat))
     yield b"data: [DONE]\n\n"

@@ -2,7 +2,7 @@
 
 A request becomes a chat request (responses_protocol.to_chat) and runs the
 chat path: the same native body, the same reading of tool calls and reasoning
-(``ToolReader``, ``ReasoningReader``, ``ChoiceStream``); its answer is read back as output items, whole or as the
+(output_readers.py: ``ToolReader``, ``ReasoningReader``, ``ChoiceStream``); its answer is read back as output items, whole or as the
 Responses event stream. Nothing is stored, so the endpoints that read stored
 responses answer 404 saying so.
 """
@@ -18,12 +18,13 @@ from radixlm.runtime.client import RequestFailed
 from radixlm.runtime.messages import GenerateRequest
 from radixlm.runtime.native import native_requests, native_result
 from radixlm.runtime.reasoning import reasoning_format
-from radixlm.runtime.server import openai_protocol as oa
 from radixlm.runtime.server import responses_protocol as rp
-from radixlm.runtime.server.http_server import (
-    HTTPError, ServerState, gather_outputs, json_body, merge_streams, run_until_done, sse_response,
-)
+from radixlm.runtime.server.http_common import HTTPError, json_body, run_until_done
 from radixlm.runtime.server.openai_api import chat_body, check_model, parse_request
+from radixlm.runtime.server.openai_builders import RequestAborted, aggregate_usage, chat_response, openai_finish_reason
+from radixlm.runtime.server.output_readers import ChoiceStream, ReasoningReader, ToolReader
+from radixlm.runtime.server.server_state import ServerState, gather_outputs, merge_streams
+from radixlm.runtime.server.sse import sse_response
 
 
 def add_responses_routes(app: FastAPI, state: ServerState) -> None:
@@ -37,15 +38,15 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
             raise HTTPError(str(e)) from None
         parser = state.server_args.get("reasoning_parser")
         reqs, _ = native_requests(chat_body(chat, reasoning_format(parser) if parser else None))
-        tools, reasoning = oa.ToolReader.of(chat), oa.ReasoningReader.of(chat, parser)
+        tools, reasoning = ToolReader.of(chat), ReasoningReader.of(chat, parser)
         shell = rp.response_shell(req, state.model_name)
         if req.stream:
-            return await sse_response(_stream(state, reqs, shell, oa.ChoiceStream(tools, reasoning)))
+            return await sse_response(_stream(state, reqs, shell, ChoiceStream(tools, reasoning)))
         outs = await run_until_done(request, gather_outputs(state.client, reqs))
         try:
-            answer = oa.chat_response([native_result(o) for o in outs], state.model_name, "", False, 0,
-                                      lambda _: "", tools, reasoning)
-        except oa.RequestAborted as e:
+            answer = chat_response([native_result(o) for o in outs], state.model_name, "", False, 0,
+                                   lambda _: "", tools, reasoning)
+        except RequestAborted as e:
             raise HTTPError(f"the request was aborted: {e}", 500) from None
         return JSONResponse(rp.whole_response(shell, answer))
 
@@ -56,7 +57,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
 
 
 async def _stream(state: ServerState, reqs: list[GenerateRequest], shell: dict[str, Any],
-                  choice: oa.ChoiceStream) -> AsyncIterator[bytes]:
+                  choice: ChoiceStream) -> AsyncIterator[bytes]:
     """The events of one response. The first is sent once the runtime has answered, so a request it
     refuses gets a plain 4xx; a failure after that ends the stream with ``response.failed``."""
     events = rp.EventStream(shell)
@@ -67,12 +68,12 @@ async def _stream(state: ServerState, reqs: list[GenerateRequest], shell: dict[s
                 yield events.start()
                 started = True
             result = native_result(out)
-            finish = oa.openai_finish_reason(out.meta_info.get("finish_reason")) if out.finished else None
+            finish = openai_finish_reason(out.meta_info.get("finish_reason")) if out.finished else None
             yield events.feed(choice.feed(result["text"], out.finished))
             if out.finished:
-                usage = rp.usage(oa.aggregate_usage([result], 1))
+                usage = rp.usage(aggregate_usage([result], 1))
                 yield events.finish(finish, usage)
-    except (RequestFailed, HTTPError, oa.RequestAborted) as e:
+    except (RequestFailed, HTTPError, RequestAborted) as e:
         if not started:
-            raise HTTPError(f"the request was aborted: {e}", 500) if isinstance(e, oa.RequestAborted) else e
+            raise HTTPError(f"the request was aborted: {e}", 500) if isinstance(e, RequestAborted) else e
         yield events.fail(str(e))

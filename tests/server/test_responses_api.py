@@ -317,14 +317,15 @@ def test_reasoning_becomes_a_reasoning_item_whole_or_streamed():
     here it comes out as a reasoning item before the message, the same whole or streamed, however
     the text is cut."""
     from radixlm.runtime.reasoning import reasoning_format
-    from radixlm.runtime.server import openai_protocol as oa
+    from radixlm.runtime.server.openai_builders import aggregate_usage, chat_response
+    from radixlm.runtime.server.output_readers import ChoiceStream, ReasoningReader
 
     req = rp.ResponsesRequest.model_validate({"model": "m", "input": "hi"})
     chat = rp.to_chat(req)
-    reader = oa.ReasoningReader.of(chat, "qwen3")
+    reader = ReasoningReader.of(chat, "qwen3")
     text = "<think>Two and two.</think>It is four."
     meta = {"finish_reason": {"type": "stop"}, "prompt_tokens": 3, "completion_tokens": 9, "cached_tokens": 0}
-    whole = oa.chat_response([{"text": text, "meta_info": meta}], "m", "", False, 0, lambda _: "", None, reader)
+    whole = chat_response([{"text": text, "meta_info": meta}], "m", "", False, 0, lambda _: "", None, reader)
     items = rp.output_items(whole["choices"][0]["message"], whole["choices"][0]["finish_reason"])
     assert [i["type"] for i in items] == ["reasoning", "message"]
     assert items[0]["content"][0]["text"] == "Two and two." and items[1]["content"][0]["text"] == "It is four."
@@ -333,10 +334,10 @@ def test_reasoning_becomes_a_reasoning_item_whole_or_streamed():
     assert not reasoning_format("qwen3").thinking(off.chat_template_kwargs)
 
     shell = rp.response_shell(req, "m")
-    events, choice = rp.EventStream(shell), oa.ChoiceStream(None, reader)
+    events, choice = rp.EventStream(shell), ChoiceStream(None, reader)
     cuts = [text[:5], text[5:18], text[18:25], text[25:]]  # the end tag cut across two pieces
     raw = events.start() + b"".join(events.feed(choice.feed(c, i == len(cuts) - 1)) for i, c in enumerate(cuts))
-    raw += events.finish("stop", rp.usage(oa.aggregate_usage([{"meta_info": meta}], 1)))
+    raw += events.finish("stop", rp.usage(aggregate_usage([{"meta_info": meta}], 1)))
     parsed = [orjson.loads(block.split(b"\ndata: ", 1)[1]) for block in raw.strip().split(b"\n\n")]
     for data in parsed:
         EVENT.validate_python(data)

@@ -7,23 +7,19 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import ValidationError
 
-from radixlm.runtime.server.openai_protocol import (
-    MAX_N,
+from radixlm.runtime.server.openai_builders import (
     MIN_LOGPROB,
-    ChatCompletionRequest,
-    CompletionRequest,
     RequestAborted,
     aggregate_usage,
     chat_chunk,
-    chat_messages,
     chat_response,
-    chat_to_generate,
     completion_chunk,
     completion_response,
-    completion_to_generate,
     openai_error,
     usage_chunk,
 )
+from radixlm.runtime.server.openai_protocol import MAX_N, ChatCompletionRequest, CompletionRequest
+from radixlm.runtime.server.openai_to_native import chat_messages, chat_to_generate, completion_to_generate
 
 VOCAB = {i: f"t{i}" for i in range(100)}
 
@@ -449,7 +445,7 @@ def test_past_calls_reach_the_template_with_object_arguments() -> None:
 
 
 def _tool_response(req: ChatCompletionRequest, text: str, finish: str = "stop") -> dict:
-    from radixlm.runtime.server.openai_protocol import ToolReader
+    from radixlm.runtime.server.output_readers import ToolReader
 
     body = chat_response([result(text, [1], 5, finish={"type": finish})], "m", "r", False, 0, decode, ToolReader.of(req))
     ChatCompletion.model_validate(body)
@@ -487,7 +483,7 @@ def test_a_chat_response_carries_the_calls() -> None:
     ("auto", ["Sum", ":<tool", '_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>']),
 ])
 def test_streamed_calls_add_up_to_the_whole_answer(tool_choice, pieces) -> None:
-    from radixlm.runtime.server.openai_protocol import ToolReader
+    from radixlm.runtime.server.output_readers import ToolReader
 
     req = chat(tools=[ADD, PING], tool_choice=tool_choice)
     whole = _tool_response(req, "".join(pieces))

@@ -14,7 +14,10 @@ from radixlm.runtime.constrained.backend import make_backend
 from radixlm.runtime.constrained.grammar import apply_bitmask, grammar_bitmask
 from radixlm.runtime.constrained.reasoning_gate import NOTHING_FORCED, ReasoningGate
 from radixlm.runtime.reasoning import FORMATS, ReasoningStream, Split, gate_ids, reasoning_format, split_reasoning
-from radixlm.runtime.server import openai_protocol as oa
+from radixlm.runtime.server.openai_builders import chat_response
+from radixlm.runtime.server.openai_protocol import ChatCompletionRequest
+from radixlm.runtime.server.openai_to_native import chat_messages, chat_to_generate
+from radixlm.runtime.server.output_readers import ChoiceStream, ReasoningReader, ToolReader
 
 QWEN3, R1 = FORMATS["qwen3"], FORMATS["deepseek-r1"]
 
@@ -90,7 +93,7 @@ def _reference(text: str, thinking: bool) -> Split:
 
 
 def test_stream_reasoning_false_sends_the_reasoning_once_it_ends():
-    reader = oa.ReasoningReader(QWEN3, thinking=True, whole=True)
+    reader = ReasoningReader(QWEN3, thinking=True, whole=True)
     deltas = reader.stream()
     got = [deltas.feed(t, finished=False) for t in ["<think>", "a", "b</th", "ink>c", "d"]]
     got.append(deltas.feed("", finished=True))
@@ -99,7 +102,7 @@ def test_stream_reasoning_false_sends_the_reasoning_once_it_ends():
 
 
 def test_stream_reasoning_false_flushes_a_cut_off_block_at_the_end():
-    deltas = oa.ReasoningReader(R1, thinking=True, whole=True).stream()
+    deltas = ReasoningReader(R1, thinking=True, whole=True).stream()
     assert deltas.feed("ab", finished=False) == Split("", "")
     assert deltas.feed("c</thi", finished=True) == Split("abc</thi", "")
 
@@ -208,29 +211,29 @@ class _Any:
 
 
 def test_chat_request_fields():
-    req = oa.ChatCompletionRequest.model_validate({
+    req = ChatCompletionRequest.model_validate({
         "model": "m", "messages": [{"role": "user", "content": "hi"},
                                    {"role": "assistant", "content": "yes", "reasoning_content": "so"}],
         "chat_template_kwargs": {"enable_thinking": False}, "response_format": {"type": "json_object"}})
     assert req.separate_reasoning and req.stream_reasoning
-    body = oa.chat_to_generate(req, "", reasoning=QWEN3)
+    body = chat_to_generate(req, "", reasoning=QWEN3)
     assert body["chat_template_kwargs"] == {"enable_thinking": False}
     assert "require_reasoning" not in body, "thinking is off: the constraint holds from the first token"
-    assert oa.chat_messages(req)[1]["reasoning_content"] == "so"
+    assert chat_messages(req)[1]["reasoning_content"] == "so"
     on = req.model_copy(update={"chat_template_kwargs": None})
-    assert oa.chat_to_generate(on, "", reasoning=QWEN3)["require_reasoning"] is True
-    assert "require_reasoning" not in oa.chat_to_generate(on, ""), "no parser, no gate"
+    assert chat_to_generate(on, "", reasoning=QWEN3)["require_reasoning"] is True
+    assert "require_reasoning" not in chat_to_generate(on, ""), "no parser, no gate"
 
 
 def test_chat_response_reads_tools_and_reasoning_apart():
-    reader = oa.ReasoningReader.of(oa.ChatCompletionRequest.model_validate(
+    reader = ReasoningReader.of(ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [{"role": "user", "content": "hi"}]}), "qwen3")
-    tools = oa.ToolReader("auto", {"f"}, True)
+    tools = ToolReader("auto", {"f"}, True)
     call = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
     text = f"<think>maybe {call}?</think>ok {call}"
     result = {"text": text, "meta_info": {"finish_reason": {"type": "stop"}, "prompt_tokens": 1,
                                           "completion_tokens": 1}}
-    message = oa.chat_response([result], "m", "r", False, 0, lambda _: "", tools, reader)["choices"][0]["message"]
+    message = chat_response([result], "m", "r", False, 0, lambda _: "", tools, reader)["choices"][0]["message"]
     assert message["reasoning_content"] == f"maybe {call}?"
     assert message["content"].strip() == "ok"
     assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [{"x": 1}], \
@@ -238,8 +241,8 @@ def test_chat_response_reads_tools_and_reasoning_apart():
 
 
 def test_choice_stream_reads_calls_from_the_content_only():
-    reader = oa.ReasoningReader(QWEN3, thinking=True)
-    stream = oa.ChoiceStream(oa.ToolReader("auto", {"f"}, True), reader)
+    reader = ReasoningReader(QWEN3, thinking=True)
+    stream = ChoiceStream(ToolReader("auto", {"f"}, True), reader)
     call = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
     text = f"<think>maybe {call}?</think>ok {call}"
     deltas = [d for i, ch in enumerate(text) for d in stream.feed(ch, finished=i == len(text) - 1)]
