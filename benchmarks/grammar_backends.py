@@ -123,7 +123,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from radixlm.runtime.tokenizer.loader import load_tokenizer
-    from radixlm.runtime.worker.loader import resolve_model
+    from radixlm.runtime.model_config import resolve_model
 
     tokenizer = load_tokenizer(resolve_model(None))
     vocab, eos = len(tokenizer), tokenizer.eos_token_id

@@ -221,7 +221,7 @@ def stop_regex_rows(calls: int) -> list[str]:
     """The scheduler's `stop_regex` check: decode a request's last n ids (SmolLM2's tokenizer),
     keep the last 256 characters, search; the mean of `calls`."""
     from radixlm.runtime.tokenizer.loader import load_tokenizer
-    from radixlm.runtime.worker.loader import resolve_model
+    from radixlm.runtime.model_config import resolve_model
 
     tok = load_tokenizer(resolve_model(None), None)
     ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 60, add_special_tokens=False)

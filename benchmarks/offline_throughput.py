@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from radixlm.runtime.local_engine import LocalEngine  # noqa: E402
 from radixlm.runtime.tokenizer.loader import load_tokenizer  # noqa: E402
-from radixlm.runtime.worker.loader import default_model_path, resolve_model  # noqa: E402
+from radixlm.runtime.model_config import default_model_path, resolve_model  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 HF = "hf-static"

@@ -37,7 +37,7 @@ from benchmarks.machine import cpu_info  # noqa: E402
 from radixlm.runtime.hf_reference import load_hf_model  # noqa: E402
 from radixlm.runtime.local_engine import LocalEngine  # noqa: E402
 from radixlm.runtime.tokenizer.loader import load_tokenizer  # noqa: E402
-from radixlm.runtime.worker.loader import resolve_model  # noqa: E402
+from radixlm.runtime.model_config import resolve_model  # noqa: E402
 from radixlm.runtime.worker.quant import Plan  # noqa: E402
 
 NEAR_TIE = 0.1  # nats between HF's top two: a flip there says nothing about the precision

@@ -26,9 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 from radixlm.runtime.args import ServerArgs  # noqa: E402
-from radixlm.runtime.launch import free_port  # noqa: E402
-from radixlm.runtime.router.launch import start_replica  # noqa: E402
-from radixlm.runtime.server.launch_server import wait_until_serving  # noqa: E402
+from radixlm.runtime.launch import free_port, start_replica, wait_until_serving  # noqa: E402
 
 TOPICS = ["gardening", "tax forms", "bicycle repair", "Italian cooking", "chess openings", "home networking",
           "birdwatching", "sourdough", "astronomy", "first aid", "knitting", "car insurance"]

@@ -76,9 +76,8 @@ from radixlm.lang.backends.base import Call  # noqa: E402
 from machine import FEATURES, cpu_info  # noqa: E402
 from offline_throughput import hf_generate, load_hf  # noqa: E402
 from radixlm.runtime import bench_serve  # noqa: E402
-from radixlm.runtime.launch import free_port  # noqa: E402
-from radixlm.runtime.server.launch_server import wait_until_serving  # noqa: E402
-from radixlm.runtime.worker.loader import default_model_path  # noqa: E402
+from radixlm.runtime.launch import free_port, wait_until_serving  # noqa: E402
+from radixlm.runtime.model_config import default_model_path  # noqa: E402
 from workloads import Workload, all_workloads  # noqa: E402
 
 HF_BATCH = 32
@@ -257,7 +256,7 @@ class HFStatic:
 
     def __init__(self, path: str) -> None:
         from radixlm.runtime.tokenizer.loader import load_tokenizer
-        from radixlm.runtime.worker.loader import resolve_model
+        from radixlm.runtime.model_config import resolve_model
 
         self.tokenizer = load_tokenizer(resolve_model(path))  # transformers' conversion, cached
         self.model = load_hf(path)

@@ -43,8 +43,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-from radixlm.runtime.launch import free_port  # noqa: E402
-from radixlm.runtime.server.launch_server import wait_until_serving  # noqa: E402
+from radixlm.runtime.launch import free_port, wait_until_serving  # noqa: E402
 
 SYSTEM_PROMPTS = [
     "You are a careful assistant for a hardware store. " + "Answer briefly and name the aisle. " * 25,

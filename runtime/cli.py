@@ -57,14 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "router":
         if not ns.worker_urls and ns.dp_size < 1:
             parser.error("give --worker-urls or --dp-size")
-        from radixlm.runtime.router.launch import run_router
+        from radixlm.runtime.launch import run_router
 
         return run_router(ns.worker_urls, ns.dp_size, ServerArgs.from_cli_args(ns), ns.policy, ns.host, ns.port,
                           ns.api_key)
     if ns.command == "serve":
         if (ns.max_queued_requests or 0) < 0 or (ns.max_request_bytes is not None and ns.max_request_bytes < 1):
             parser.error("--max-queued-requests must be >= 0 and --max-request-bytes >= 1")
-        from radixlm.runtime.server.launch_server import serve
+        from radixlm.runtime.launch import serve
 
         return serve(ServerArgs.from_cli_args(ns), ns.host, ns.port, ns.api_key, ns.max_request_bytes,
                      ns.max_queued_requests)

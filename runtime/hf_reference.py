@@ -32,9 +32,9 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32) -> Any:
 def _parse_gguf_once(path: str) -> Iterator[None]:
     import gguf
 
-    from radixlm.runtime.worker.loader import _gguf_reader
+    from radixlm.runtime.model_config import gguf_reader
 
-    parsed = _gguf_reader(path)  # once per process, shared with our own loader
+    parsed = gguf_reader(path)  # once per process, shared with our own loader
     real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
 
     def reader(file: str, *args: Any, **kwargs: Any) -> Any:

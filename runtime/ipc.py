@@ -41,8 +41,9 @@ def decode(raw: bytes) -> Any:
 def _plain(msg: Any) -> Any:
     if isinstance(msg, SamplingParams):
         return msg.to_dict()
-    if dataclasses.is_dataclass(msg):
-        return {f.name: _plain(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
+    if dataclasses.is_dataclass(msg):  # a field not given stays out: it is not given at the other end either
+        return {f.name: _plain(v) for f in dataclasses.fields(msg)
+                if (v := getattr(msg, f.name)) is not messages.CONSTRAINT_NOT_GIVEN}
     if isinstance(msg, (list, tuple)):
         return [_plain(x) for x in msg]
     return msg

@@ -1,4 +1,14 @@
-"""Start and stop the runtime's process group: the tokenizer process and the scheduler process."""
+"""Every process the runtime starts, and how: the one place.
+
+Parent side: `launch_processes` spawns the process group (the tokenizer process, the scheduler
+process, this machine's tensor-parallel followers) and waits until each reports ready;
+`serve` (`radixlm serve`) runs that group with the HTTP server in front, which is only a client
+of it; `run_router` (`radixlm router`) starts replica servers and the router in front of them.
+Child side: `run_child` is every child's entry point (SIGINT left to the parent, killed with
+the parent, logging, its start-up object built, readiness or the start-up error reported, then
+its loop). A child's start-up object is a class with `ready_info()` and `run_forever()`:
+`SchedulerProcess`, `TokenizerManager`, `Follower`.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +17,25 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import shutil
+import signal
 import socket
+import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from multiprocessing.connection import Connection
+from typing import Any, Callable, Iterator
 
 from radixlm.runtime import ipc
 from radixlm.runtime.args import ServerArgs
 
 log = logging.getLogger("radixlm.launch")
+
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+def configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
 
 
 class LaunchError(RuntimeError):
@@ -53,9 +73,9 @@ class RuntimeProcesses:
 def launch_processes(args: ServerArgs, start_timeout: float = 600.0) -> RuntimeProcesses:
     """Spawn the tokenizer and scheduler processes (and this machine's other tensor-parallel ranks)
     and wait until all are ready. On a node other than 0, only its tensor-parallel ranks run."""
-    from radixlm.runtime.scheduler.process import run_scheduler_process
-    from radixlm.runtime.tokenizer.manager import run_tokenizer_process
-    from radixlm.runtime.worker.tp_worker import run_follower
+    from radixlm.runtime.scheduler.process import SchedulerProcess
+    from radixlm.runtime.tokenizer.manager import TokenizerManager
+    from radixlm.runtime.worker.tp_worker import Follower
 
     ctx = mp.get_context("spawn")  # fork after torch or zmq initialised is unsafe
     if args.tp_size > 1 and not args.dist_init_addr:
@@ -65,14 +85,17 @@ def launch_processes(args: ServerArgs, start_timeout: float = 600.0) -> RuntimeP
     followers = [rank for rank in args.local_ranks if rank > 0]
     names = (["tokenizer", "scheduler"] if args.node_rank == 0 else []) + [f"tp-rank-{r}" for r in followers]
     pipes = {name: ctx.Pipe(duplex=False) for name in names}
-    targets = {f"tp-rank-{r}": (run_follower, (args, r, pipes[f"tp-rank-{r}"][1])) for r in followers}
+    # name -> (process title, start-up class, its arguments)
+    children: dict[str, tuple[str, type, tuple]] = {f"tp-rank-{r}": (f"radixlm-tp{r}", Follower, (args, r))
+                                                    for r in followers}
     if args.node_rank == 0:
-        targets["tokenizer"] = (run_tokenizer_process, (args, client, to_sched, from_sched, pipes["tokenizer"][1]))
-        targets["scheduler"] = (run_scheduler_process, (args, to_sched, from_sched, pipes["scheduler"][1]))
+        children["tokenizer"] = ("radixlm-tok", TokenizerManager, (args, client, to_sched, from_sched))
+        children["scheduler"] = ("radixlm-sched", SchedulerProcess, (args, to_sched, from_sched))
     procs = {}
     with _children_skip_main():
-        for name, (target, target_args) in targets.items():
-            procs[name] = ctx.Process(target=target, args=target_args, name=f"radixlm-{name}", daemon=True)
+        for name, (title, cls, cls_args) in children.items():
+            procs[name] = ctx.Process(target=run_child, args=(title, cls, cls_args, pipes[name][1]),
+                                      name=f"radixlm-{name}", daemon=True)
             procs[name].start()
     group = RuntimeProcesses(client, ipc_dir, procs)
     try:
@@ -84,6 +107,22 @@ def launch_processes(args: ServerArgs, start_timeout: float = 600.0) -> RuntimeP
         raise
     log.info("runtime ready: %s", group.info)
     return group
+
+
+def run_child(title: str, cls: Callable[..., Any], cls_args: tuple, ready: Connection) -> None:
+    """A runtime child's entry point: build `cls(*cls_args)` and report on `ready` that it is ready
+    (with its `ready_info()`) or why it failed to start, then run its loop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    ipc.die_with_parent(title)
+    configure_logging()
+    try:
+        child = cls(*cls_args)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which exits with it
+        log.exception("%s failed to start", title)
+        ready.send({"error": f"{type(e).__name__}: {e}"})
+        return
+    ready.send({"ok": True, **child.ready_info()})
+    child.run_forever()
 
 
 @contextlib.contextmanager
@@ -131,3 +170,131 @@ def _wait_ready(name: str, reader: Any, proc: mp.process.BaseProcess, timeout: f
         raise LaunchError(f"the {name} process failed to start: {report['error']}")
     return report
 
+
+# ---- `radixlm serve`: the process group with the HTTP server in front -----------------------
+
+def serve(args: ServerArgs, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
+          max_request_bytes: int | None = None, max_queued_requests: int | None = None) -> int:
+    """Run until SIGINT/SIGTERM (exit 0) or until a runtime process dies (exit 1)."""
+    import asyncio
+    import threading
+
+    import uvicorn
+
+    from radixlm.runtime.client import RuntimeClient
+    from radixlm.runtime.model_config import resolve_model
+    from radixlm.runtime.server.http_server import MAX_REQUEST_BYTES, ServerState, create_app
+
+    configure_logging()
+    group = launch_processes(args)
+    if args.node_rank > 0:
+        return _serve_ranks(args, group)
+    try:
+        model_name = args.served_model_name or resolve_model(args.model_path).name
+        info = {**group.info, "client_address": group.client_address}  # for local clients that attach (ZeroMQ)
+        client = RuntimeClient(group.client_address)
+        if max_queued_requests is not None:
+            client.max_in_flight = args.max_running_requests + max_queued_requests
+        state = ServerState(client, info, dataclasses.asdict(args), model_name)
+        app = create_app(state, api_key, max_request_bytes or MAX_REQUEST_BYTES)
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3)
+        server = uvicorn.Server(config)
+
+        def watchdog() -> None:
+            announced = False
+            while not server.should_exit:
+                if server.started and not announced:
+                    announced = True
+                    print(f"radixlm ready on http://{host}:{port} ({group.info.get('architecture')}, "
+                          f"{group.info.get('max_total_tokens')} KV tokens)", flush=True)
+                dead = group.dead_process()
+                if dead:
+                    log.error("runtime process died: %s; shutting down", dead)
+                    state.dead = dead
+                    server.should_exit = True
+                    return
+                time.sleep(0.2)
+
+        threading.Thread(target=watchdog, name="radixlm-watchdog", daemon=True).start()
+        # uvicorn re-raises the signal that stopped it; turn that into a normal exit so the
+        # children are stopped below
+        signal.signal(signal.SIGTERM, _exit_quietly)
+        try:
+            asyncio.run(server.serve())
+        except KeyboardInterrupt:
+            pass
+        return 1 if state.dead else 0
+    finally:
+        group.shutdown()
+
+
+def _serve_ranks(args: ServerArgs, group: RuntimeProcesses) -> int:
+    """A node other than 0: its tensor-parallel ranks follow node 0's scheduler; no API here. Runs
+    until SIGINT/SIGTERM (exit 0) or until a rank stops, e.g. because node 0 went away (exit 1)."""
+    ranks = args.local_ranks
+    print(f"radixlm node {args.node_rank}: tensor-parallel ranks {ranks.start}-{ranks.stop - 1} joined "
+          f"{args.dist_init_addr}", flush=True)
+    signal.signal(signal.SIGTERM, _exit_quietly)
+    try:
+        while (dead := group.dead_process()) is None:
+            time.sleep(0.2)
+        log.error("runtime process died: %s; shutting down", dead)
+        return 1
+    except (KeyboardInterrupt, SystemExit):
+        return 0
+    finally:
+        group.shutdown()
+
+
+def _exit_quietly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+# ---- servers in their own processes: `radixlm router`'s replicas, scripts and tests --------
+
+def start_replica(args: ServerArgs) -> tuple[str, subprocess.Popen]:
+    """A `radixlm serve` on a free local port with these options; (its URL, its process)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "radixlm.runtime.cli", "serve", "--port", str(port), *args.to_cli_args()])
+    return f"http://127.0.0.1:{port}", proc
+
+
+def wait_until_serving(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Block until the server `proc` started answers /health at `url`; raises RuntimeError if it
+    exits first or does not answer within `timeout` seconds (for scripts and tests that start one)."""
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before answering")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server did not answer within {timeout:.0f}s")
+
+
+def run_router(urls: list[str], dp_size: int, args: ServerArgs, policy: str, host: str, port: int,
+               api_key: str | None = None) -> int:
+    """`radixlm router`: start `dp_size` replicas with these options, then route over them and `urls`."""
+    import uvicorn
+
+    from radixlm.runtime.router.router import Router, create_router_app
+
+    configure_logging()
+    replicas = [start_replica(args) for _ in range(dp_size)]
+    try:
+        for url, proc in replicas:
+            wait_until_serving(url, proc)
+        router = Router(list(urls) + [url for url, _ in replicas], policy)
+        print(f"radixlm router on http://{host}:{port} over {len(router.replicas)} replicas ({policy})", flush=True)
+        uvicorn.run(create_router_app(router, api_key), host=host, port=port, log_level="warning")
+        return 0
+    finally:
+        for _, proc in replicas:
+            proc.terminate()
+        for _, proc in replicas:
+            proc.wait(30)

@@ -1,8 +1,10 @@
 """The in-process Python API: `LocalEngine(...).generate(...)`.
 
-The engine tokenizes, feeds the scheduler, runs steps until its requests are
-done, and detokenizes. (The served runtime puts each part in its own process;
-the engine's API stays the same.)
+The engine prepares requests (`tokenizer/prepare.py`, as the tokenizer process does), feeds the
+scheduler, runs steps until its requests are done, and assembles their results
+(`tokenizer/output.py`); `choices` requests are scored as the served runtime scores them
+(`tokenizer/choices.py`). The served runtime puts each part in its own process; the engine's
+API stays the same. It owns only the stepping loop and the model it loaded.
 """
 
 from __future__ import annotations
@@ -10,14 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 from radixlm.runtime.args import ServerArgs
-from radixlm.runtime.constrained.grammar import compiler_factory, constraint_key
+from radixlm.runtime.constrained.grammar import compiler_factory
 from radixlm.runtime.messages import GenerateRequest, TokenizedRequest, TokenOutput
+from radixlm.runtime.model_config import resolve_model
 from radixlm.runtime.native import GenerateAPI
-from radixlm.runtime.reasoning import end_tag_ids, gate_ids
-from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.scheduler.scheduler import Scheduler
+from radixlm.runtime.tokenizer.choices import ChoiceScoring, answer, is_choices, record_score, scoring_requests
 from radixlm.runtime.tokenizer.loader import chat_prompt, load_tokenizer
-from radixlm.runtime.worker.loader import resolve_model
+from radixlm.runtime.tokenizer.output import RequestOutput
+from radixlm.runtime.tokenizer.prepare import RequestPreparer
 from radixlm.runtime.worker.model_worker import ModelWorker
 
 
@@ -39,6 +42,8 @@ class LocalEngine(GenerateAPI):
                                        self.args.grammar_backend)
         self.scheduler = Scheduler(self.args, self.worker, decode=self._decode_plain if tokenizer else None,
                                    grammar=grammar)
+        self.prep = RequestPreparer(tokenizer, self.worker.config.vocab_size, self.worker.context_length,
+                                    self.args.reasoning_parser)
 
     def _decode_plain(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -48,28 +53,35 @@ class LocalEngine(GenerateAPI):
         return chat_prompt(self.tokenizer, messages, tools, template_kwargs)
 
     def _run_requests(self, reqs: list[GenerateRequest]) -> list[dict[str, Any]]:
-        return self.run([self._tokenized(r) for r in reqs], [r.return_text_in_logprobs for r in reqs])
-
-    def _tokenized(self, req: GenerateRequest) -> TokenizedRequest:
-        if req.input_ids is not None:
-            ids = req.input_ids
-        elif self.tokenizer is None:
-            raise ValueError("this engine has no tokenizer (skip_tokenizer_init): give input_ids")
-        else:
-            text = req.text if req.text is not None else self.apply_chat_template(
-                req.messages, req.tools, req.chat_template_kwargs)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-        params = SamplingParams.from_dict(req.sampling_params)
-        gate = gate_ids(req.require_reasoning, end_tag_ids(self.args.reasoning_parser, self.tokenizer),
-                        constraint_key(params) is not None)
-        return TokenizedRequest(req.rid, list(ids), params, req.return_logprob, req.logprob_start_len,
-                                req.top_logprobs_num, gate)
+        # every request is prepared (and so checked) before any is submitted
+        plans = [scoring_requests(self.prep, r) if is_choices(r) else self.prep.prepare(r) for r in reqs]
+        trs = [tr for p in plans for tr in (p.requests if isinstance(p, ChoiceScoring) else [p])]
+        collected = self._collect(trs)
+        results = []
+        for req, plan in zip(reqs, plans):
+            if isinstance(plan, ChoiceScoring):
+                results.append(self._choice_result(plan, collected))
+            else:
+                results.append(self._result(plan, collected[plan.rid], req.return_text_in_logprobs))
+        return results
 
     def run(self, requests: list[TokenizedRequest], text_in_logprobs: list[bool] | None = None) -> list[dict[str, Any]]:
         """Submit tokenized requests, step the scheduler until they finish, and return their results
         in order (`text_in_logprobs[i]`: request i's logprob entries carry their token's text)."""
-        for tr in requests:
-            self.scheduler.add_request(tr)
+        collected = self._collect(requests)
+        texts = text_in_logprobs or [False] * len(requests)
+        return [self._result(tr, collected[tr.rid], t) for tr, t in zip(requests, texts)]
+
+    def _collect(self, requests: list[TokenizedRequest]) -> dict[str, list[TokenOutput]]:
+        """Run `requests` to the end: each one's outputs. If the scheduler refuses one, those already
+        submitted are aborted (no KV stays held) and its error raised."""
+        for i, tr in enumerate(requests):
+            try:
+                self.scheduler.add_request(tr)
+            except Exception:
+                for earlier in requests[:i]:
+                    self.scheduler.abort(earlier.rid)
+                raise
         collected: dict[str, list[TokenOutput]] = {tr.rid: [] for tr in requests}
         pending = set(collected)
         while pending:
@@ -79,43 +91,28 @@ class LocalEngine(GenerateAPI):
                     if out.finished:
                         pending.discard(out.rid)
             self.scheduler.wait_for_constraints(timeout=1.0)  # returns at once unless only compiles are left
-        texts = text_in_logprobs or [False] * len(requests)
-        return [self._result(tr, collected[tr.rid], t) for tr, t in zip(requests, texts)]
+        return collected
 
-    def _entries(self, pairs: Any, with_text: bool) -> list[list[Any]]:
-        """SGLang's logprob entries: [logprob, id, text or None]."""
-        return [[lp, t, self.tokenizer.decode([t]) if with_text and self.tokenizer else None] for lp, t in pairs]
+    def _gathered(self, tr: TokenizedRequest, outs: list[TokenOutput], with_text: bool = False) -> RequestOutput:
+        gathered = RequestOutput(tr, self.tokenizer, with_text)
+        for out in outs:
+            gathered.add(out)
+        return gathered
 
     def _result(self, tr: TokenizedRequest, outs: list[TokenOutput], with_text: bool = False) -> dict[str, Any]:
-        ids: list[int] = []
-        for o in outs:
-            del ids[len(ids) - o.replaced:]
-            ids.extend(o.new_token_ids)
-        last = outs[-1]
-        params = tr.sampling_params
-        text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens) if self.tokenizer else ""
-        reason = last.finish_reason or {}
-        matched = reason.get("matched")
-        if reason.get("type") == "stop" and matched in params.stop and matched in text:  # not a stop_regex's pattern
-            text = text[: text.find(matched) + (len(matched) if params.no_stop_trim else 0)]
-        meta: dict[str, Any] = {
-            "id": tr.rid,
-            "prompt_tokens": last.prompt_tokens,
-            "completion_tokens": last.completion_tokens,
-            "cached_tokens": last.cached_tokens,
-            "finish_reason": last.finish_reason,
-        }
-        if tr.return_logprob:
-            logprobs = [lp for o in outs for lp in o.output_logprobs]
-            meta["output_token_logprobs"] = self._entries(zip(logprobs, ids), with_text)
-            meta["output_top_logprobs"] = [self._entries(t, with_text) for o in outs for t in o.output_top_logprobs]
-            first = next((o for o in outs if o.input_logprobs is not None), None)
-            start = max(tr.logprob_start_len, 0)
-            meta["input_token_logprobs"] = [] if first is None else self._entries(
-                zip(first.input_logprobs, tr.input_ids[start:]), with_text)
-            meta["input_top_logprobs"] = [] if first is None else [
-                None if t is None else self._entries(t, with_text) for t in first.input_top_logprobs]
-        return {"text": text, "output_ids": ids, "meta_info": meta}
+        return self._gathered(tr, outs, with_text).result()
+
+    def _choice_result(self, scoring: ChoiceScoring, collected: dict[str, list[TokenOutput]]) -> dict[str, Any]:
+        """The served runtime's answer to a `choices` request (a failed scoring request fails it: its
+        finish reason, with the status, is the result's)."""
+        group = scoring.group
+        for slot, tr in enumerate(scoring.requests):
+            gathered = self._gathered(tr, collected[tr.rid])
+            if (gathered.finish_reason or {}).get("status"):
+                return {"text": "", "output_ids": [], "meta_info": dict(gathered.meta(), id=group.rid)}
+            record_score(group, slot, gathered)
+        text, meta = answer(group)
+        return {"text": text, "output_ids": [], "meta_info": meta}
 
     def check_accounting(self) -> None:
         self.scheduler.check_accounting()

@@ -74,8 +74,13 @@ class ControlOutput:
 # ---- to the scheduler process (from the tokenizer process) -------------------------------------
 
 
+CONSTRAINT_NOT_GIVEN: Any = object()  # a TokenizedRequest made by hand: the scheduler derives its constraint
+
+
 @dataclass
 class TokenizedRequest:
+    """A request ready to run (tokenizer/prepare.py makes them from GenerateRequests)."""
+
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams
@@ -84,6 +89,13 @@ class TokenizedRequest:
     top_logprobs_num: int = 0
     # the reasoning's end tag (--reasoning-parser): a constraint holds only once the output has it
     reasoning_end_ids: list[int] = field(default_factory=list)
+    # (kind, text) of the constraint the scheduler compiles and enforces (constrained.grammar's
+    # constraint_key of sampling_params) or None: worked out once, by prepare, and carried
+    constraint: tuple[str, str] | None = CONSTRAINT_NOT_GIVEN
+
+    def __post_init__(self) -> None:
+        if isinstance(self.constraint, list):  # JSON has no tuples (ipc); a key must be hashable
+            self.constraint = tuple(self.constraint)
 
 
 # AbortRequest and ControlRequest travel on to the scheduler unchanged.

@@ -1,22 +1,40 @@
-"""SGLang's native generate body, turned into one GenerateRequest per generation.
+"""SGLang's native generate body: its contract, and its expansion into GenerateRequests.
 
-Shared by the HTTP server's /generate (and its OpenAI endpoints) and by `Engine`.
+Owns what a /generate body may hold (`NATIVE_FIELDS`, `UNSUPPORTED_FIELDS`, the OpenAPI schemas,
+the sampling parameters' derived from `SamplingParams`), `native_requests` (one GenerateRequest
+per prompt and sample), `native_result` / `CumulativeStream` (the result's shapes), `BadRequest`
+(a request refused as it is: 400) and `GenerateAPI`, the `generate(...)` both Python engines
+share. Shared by the HTTP server's /generate (and its OpenAI endpoints) and by the engines;
+what happens to a GenerateRequest next is tokenizer/prepare.py's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from abc import ABC, abstractmethod
 from typing import Any, Iterator, Sequence
 
 from radixlm.runtime.messages import ClientOutput, GenerateRequest
-from radixlm.runtime.sampling_params import sample_seed
+from radixlm.runtime.sampling_params import ALIASES, SamplingParams, sample_seed
 
 MAX_BATCH = 1024  # prompts x n in one call
 
 
 class BadRequest(ValueError):
     """The body is malformed; the message says what was wrong."""
+
+
+def check_prompt_ids(ids: Sequence[int], vocab_size: int, context_length: int) -> None:
+    """What every prompt's ids must satisfy: not empty, in the vocabulary, and room for one new token.
+    (The scheduler checks again, as its last line: a TokenizedRequest may come from anywhere.)"""
+    if not ids:
+        raise BadRequest("the prompt is empty")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise BadRequest(f"input_ids must lie in [0, {vocab_size})")
+    if len(ids) >= context_length:
+        raise BadRequest(f"the prompt has {len(ids)} tokens; the context length is {context_length} "
+                         "(prompt plus at least one new token must fit)")
 
 
 NATIVE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
@@ -52,23 +70,27 @@ UNSUPPORTED_FIELDS = {
 
 _INT, _NUM, _BOOL, _STR = {"type": "integer"}, {"type": "number"}, {"type": "boolean"}, {"type": "string"}
 _TOKENS = {"type": "array", "items": _INT}
-SAMPLING_PARAMS_SCHEMA = {
-    "type": "object",
-    "properties": {
-        **dict.fromkeys(("max_new_tokens", "min_new_tokens", "top_k", "n", "seed", "sampling_seed",
-                         "stream_interval"), _INT),
-        **dict.fromkeys(("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
-                         "presence_penalty"), _NUM),
-        **dict.fromkeys(("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"), _BOOL),
-        **dict.fromkeys(("regex", "json_schema", "ebnf", "dtype", "choices_method", "structural_tag"), _STR),
-        **dict.fromkeys(("stop", "stop_regex"), {"anyOf": [_STR, {"type": "array", "items": _STR}]}),
-        "stop_token_ids": _TOKENS,
-        "logit_bias": {"type": "object", "additionalProperties": _NUM},
-        "custom_params": {"type": "object"},
-        "choices": {"type": "array", "items": _STR},
-    },
-    "additionalProperties": False,
+# The JSON a SamplingParams field takes, by the field's annotation: a field of a new type must be
+# added here (the schema is built at import, so a missing one fails at once)
+_SCHEMA_OF_TYPE = {
+    "int": _INT, "int | None": _INT, "float": _NUM, "bool": _BOOL, "str | None": _STR,
+    "list[str]": {"anyOf": [_STR, {"type": "array", "items": _STR}]},  # one string is a list of one
+    "list[int]": _TOKENS,
+    "dict[int, float] | None": {"type": "object", "additionalProperties": _NUM},  # token id -> number
+    "dict[str, Any] | None": {"type": "object"},
 }
+# sampling_params keys that are not SamplingParams fields: tokenizer/choices.py takes these
+CHOICE_PARAMS = {"choices": {"type": "array", "items": _STR}, "choices_method": _STR}
+
+
+def _sampling_params_schema() -> dict[str, Any]:
+    """SamplingParams' fields (and SGLang's names for some, ALIASES), each with its field's JSON type."""
+    props = {f.name: _SCHEMA_OF_TYPE[str(f.type)] for f in dataclasses.fields(SamplingParams)}
+    props |= {alias: props[name] for alias, name in ALIASES.items()}
+    return {"type": "object", "properties": props | CHOICE_PARAMS, "additionalProperties": False}
+
+
+SAMPLING_PARAMS_SCHEMA = _sampling_params_schema()
 # The /generate body, for the OpenAPI document (native_requests checks it, with messages that
 # name the problem).
 GENERATE_BODY_SCHEMA = {

@@ -88,7 +88,7 @@ def tiny_llama(tmp_path_factory) -> TinyModel:
 
 
 def smollm2_path() -> str:
-    from radixlm.runtime.worker.loader import default_model_path
+    from radixlm.runtime.model_config import default_model_path
 
     return default_model_path()  # raises, naming the missing package, if setup did not install it
 
@@ -97,7 +97,7 @@ def smollm2_path() -> str:
 def smol_tokenizer():
     """SmolLM2's tokenizer (byte-level BPE, from its GGUF), loaded once for the whole session."""
     from radixlm.runtime.tokenizer.loader import load_tokenizer
-    from radixlm.runtime.worker.loader import resolve_model
+    from radixlm.runtime.model_config import resolve_model
 
     return load_tokenizer(resolve_model(None))
 

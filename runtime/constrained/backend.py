@@ -6,19 +6,26 @@ A backend compiles a key in two halves: `Builder.build` turns the key into somet
 (it may run in the compiler process, compile_worker.py, where a time limit and a memory cap hold)
 and `GrammarBackend.load` turns that into the compiled grammar in the scheduler's process. Each
 step the batch's matchers write their rows of one bitmask (`Matcher.fill_masks`: one call per
-matcher class, so a library that fills many rows at once in native threads does). Each backend's
-module imports its library only when that backend is made.
+matcher class, so a library that fills many rows at once in native threads does; the layout is
+token_mask.py's). Each backend's module imports its library only when that backend is made
+(grammar.make_backend).
+
+Kept free of torch and of the backends: the compiler process (compile_worker.py) imports it.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from radixlm.runtime.args import GRAMMAR_BACKENDS
-from radixlm.runtime.constrained.constraint_regex import ConstraintKey
 from radixlm.runtime.constrained.jump_forward import Forced
+
+ConstraintKey = tuple[str, str]  # (kind: one of sampling_params.CONSTRAINTS, its text)
+
+
+class GrammarError(ValueError):
+    """The constraint cannot be used; the message names the problem."""
 
 
 class Matcher(ABC):
@@ -92,21 +99,3 @@ class GrammarBackend(ABC):
     def matcher(self, grammar: Any) -> Matcher:
         """A fresh matcher at the start of `grammar`, able to roll back RETOKENIZE_TOKENS tokens."""
 
-
-def make_backend(name: str, table: Sequence[bytes | None], eos_token_id: int,
-                 encode: Callable[[str], list[int]]) -> GrammarBackend:
-    """The `--grammar-backend` named `name` over a vocabulary's token bytes (`vocabulary.token_bytes`:
-    None for ids never allowed), its EOS and its tokenizer (text -> ids, no special tokens)."""
-    if name == "outlines":
-        from radixlm.runtime.constrained.outlines_backend import OutlinesBackend
-
-        return OutlinesBackend(table, eos_token_id)
-    if name == "llguidance":
-        from radixlm.runtime.constrained.llguidance_backend import LLGuidanceBackend
-
-        return LLGuidanceBackend(table, eos_token_id, encode)
-    if name == "xgrammar":
-        from radixlm.runtime.constrained.xgrammar_backend import XGrammarBackend
-
-        return XGrammarBackend(table, eos_token_id)
-    raise ValueError(f"grammar backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {name!r}")

@@ -46,7 +46,7 @@ def spawn() -> subprocess.Popen:
 
 
 def main() -> None:
-    from radixlm.runtime.constrained.constraint_regex import GrammarError
+    from radixlm.runtime.constrained.backend import GrammarError
     from radixlm.runtime.ipc import die_with_parent
 
     die_with_parent("radixlm-grammar")

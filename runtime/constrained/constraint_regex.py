@@ -11,11 +11,7 @@ import re
 from outlines_core import Index, Vocabulary
 from outlines_core.json_schema import build_regex_from_schema
 
-ConstraintKey = tuple[str, str]  # (kind: one of sampling_params.CONSTRAINTS, its text)
-
-
-class GrammarError(ValueError):
-    """The constraint cannot be used; the message names the problem."""
+from radixlm.runtime.constrained.backend import ConstraintKey, GrammarError
 
 
 # The end mark: a byte compiled after the regex of the constraints that need it (`uses_end_mark`),
@@ -25,7 +21,7 @@ class GrammarError(ValueError):
 # match flag as "the text so far is a match"): after "3" a float could never take ".", nor free
 # text a tool call's opening tag. With the mark, no text position is accepting, so every
 # transition is kept; "the text may end here" becomes "the end mark's token may follow"
-# (Grammar.can_end), and the scheduler allows EOS there.
+# (outlines_backend.Grammar.can_end), and OutlinesMatcher.fill_mask allows EOS there.
 # NOTE: not for user regexes and JSON schemas: the pruning also keeps their automata small, and a
 # regex like `[^\n]{4,100}` compiled with the mark takes minutes instead of a second. A JSON
 # value's end is never optional, so schemas do not suffer from the flaw; a user regex with an

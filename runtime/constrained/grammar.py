@@ -1,5 +1,6 @@
-"""Constraints compiled off the scheduler's critical path by the `--grammar-backend` (backend.py),
-and the per-step token bitmask of a batch.
+"""Constraints compiled off the scheduler's critical path by the `--grammar-backend` (the contract in
+backend.py, made by `make_backend`), and the per-step token bitmask of a batch (its layout:
+token_mask.py).
 
 A request with a constraint waits in the scheduler's pending list while it compiles (in a
 compiler process, or in a pool thread for a backend that compiles in-process; cached by
@@ -22,12 +23,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from radixlm.runtime.args import ServerArgs
+from radixlm.runtime.args import GRAMMAR_BACKENDS, ServerArgs
 from radixlm.runtime.constrained import compile_worker
-from radixlm.runtime.constrained.backend import GrammarBackend, Matcher, make_backend
-from radixlm.runtime.constrained.constraint_regex import ConstraintKey, GrammarError
+from radixlm.runtime.constrained.backend import ConstraintKey, GrammarBackend, GrammarError, Matcher
 from radixlm.runtime.constrained.jump_forward import JumpForward
 from radixlm.runtime.sampling_params import CONSTRAINTS, SamplingParams
+from radixlm.runtime.token_mask import allocate_mask
 
 Grammar = Any  # a backend's compiled constraint (GrammarBackend.load)
 START_TIMEOUT_S = 120.0  # a compiler process's start, before its first constraint
@@ -245,6 +246,26 @@ def _kill(child: subprocess.Popen) -> None:
         stream.close()
 
 
+def make_backend(name: str, table: Sequence[bytes | None], eos_token_id: int,
+                 encode: Callable[[str], list[int]]) -> GrammarBackend:
+    """The `--grammar-backend` named `name` over a vocabulary's token bytes (`vocabulary.token_bytes`:
+    None for ids never allowed), its EOS and its tokenizer (text -> ids, no special tokens). Each
+    backend's module (and so its library) is imported only when that backend is made."""
+    if name == "outlines":
+        from radixlm.runtime.constrained.outlines_backend import OutlinesBackend
+
+        return OutlinesBackend(table, eos_token_id)
+    if name == "llguidance":
+        from radixlm.runtime.constrained.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend(table, eos_token_id, encode)
+    if name == "xgrammar":
+        from radixlm.runtime.constrained.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend(table, eos_token_id)
+    raise ValueError(f"grammar backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {name!r}")
+
+
 def compiler_factory(tokenizer: object, vocab_size: int, eos_token_ids: Sequence[int], timeout_s: float = 30.0,
                      backend: str = ServerArgs.grammar_backend):
     """A zero-argument maker of the GrammarCompiler on the `--grammar-backend` named `backend`, for
@@ -282,7 +303,7 @@ def grammar_bitmask(rows: Sequence[Matcher | None], vocab_size: int) -> torch.Te
     or None when no row is constrained. Each matcher class fills all its rows in one call."""
     if all(r is None for r in rows):
         return None
-    mask = torch.full((len(rows), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    mask = allocate_mask(len(rows), vocab_size)
     by_class: dict[type, list[tuple[int, Matcher]]] = {}
     for i, matcher in enumerate(rows):
         if matcher is not None:
@@ -291,15 +312,3 @@ def grammar_bitmask(rows: Sequence[Matcher | None], vocab_size: int) -> torch.Te
         cls.fill_masks(group, mask)
     return mask
 
-
-_BIT = torch.arange(32, dtype=torch.int32)
-
-
-def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor) -> None:
-    """Set disallowed tokens' logits to -inf, in place, in one vectorised operation.
-
-    (outlines-core's own kernel is torch.compile'd: its first call costs ~15 s on a CPU.)"""
-    mask = mask.to(logits.device, non_blocking=True)
-    bits = (mask.unsqueeze(-1) >> _BIT.to(logits.device)) & 1  # [B, W, 32], bit j of word w is token 32w + j
-    allowed = bits.view(mask.shape[0], -1)[:, : logits.shape[-1]].bool()
-    logits.masked_fill_(~allowed, float("-inf"))

@@ -17,9 +17,8 @@ from typing import Any
 
 import llguidance
 
-from radixlm.runtime.constrained.backend import Builder, GrammarBackend, Matcher
-from radixlm.runtime.constrained.constraint_regex import (DTYPE_REGEXES, ConstraintKey, GrammarError, load_schema,
-                                                          structural_tag)
+from radixlm.runtime.constrained.backend import Builder, ConstraintKey, GrammarBackend, GrammarError, Matcher
+from radixlm.runtime.constrained.constraint_regex import DTYPE_REGEXES, load_schema, structural_tag
 from radixlm.runtime.constrained.jump_forward import Forced
 
 # outlines' JSON layout: one space after "," and ":", no other whitespace

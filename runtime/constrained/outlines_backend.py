@@ -16,10 +16,11 @@ from typing import Any
 import numpy as np
 from outlines_core import Guide, Index, Vocabulary
 
-from radixlm.runtime.constrained.backend import Builder, GrammarBackend, Matcher
-from radixlm.runtime.constrained.constraint_regex import ConstraintKey, build_index, uses_end_mark
+from radixlm.runtime.constrained.backend import Builder, ConstraintKey, GrammarBackend, Matcher
+from radixlm.runtime.constrained.constraint_regex import build_index, uses_end_mark
 from radixlm.runtime.constrained.jump_forward import RETOKENIZE_TOKENS, Forced
 from radixlm.runtime.constrained.vocabulary import end_token_id, vocabulary_from_bytes
+from radixlm.runtime.token_mask import allow_token
 
 MAX_FORCED_BYTES = 1024  # one jump's longest forced text (the next jump picks up where it stopped)
 
@@ -133,8 +134,7 @@ class OutlinesMatcher(Matcher):
         self.guide.write_mask_into(row.data_ptr(), row.numel(), row.element_size())
         if self.grammar.end_token is not None and self.can_end():
             # an Index built with the end mark never allows EOS itself: see constraint_regex.END_MARK
-            word, bit = divmod(self._backend.eos_token_id, 32)
-            row[0, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)  # bit 31 is the int32 sign bit
+            allow_token(row, self._backend.eos_token_id)
 
     def advance(self, token: int) -> None:
         self.guide.advance(token, return_tokens=False)

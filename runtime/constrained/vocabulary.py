@@ -30,8 +30,9 @@ zero bit, so they are never sampled.
 allowed": ``[0-9]+`` is finished after one digit yet still allows more digits;
 the EOS id is allowed exactly in accepting states. Constraints compiled with
 the end mark (constraint_regex.END_MARK, working around an outlines-core 0.2
-flaw) are the exception: their Index never allows EOS, ``Grammar.can_end``
-says where the text may end, and ``grammar_bitmask`` allows EOS there.
+flaw) are the exception: their Index never allows EOS,
+``outlines_backend.Grammar.can_end`` says where the text may end, and
+``OutlinesMatcher.fill_mask`` allows EOS there.
 """
 
 from __future__ import annotations

@@ -15,13 +15,12 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 import xgrammar
 
-from radixlm.runtime.constrained.backend import Builder, GrammarBackend, Matcher
-from radixlm.runtime.constrained.constraint_regex import (DTYPE_REGEXES, ConstraintKey, GrammarError, load_schema,
-                                                          structural_tag)
+from radixlm.runtime.constrained.backend import Builder, ConstraintKey, GrammarBackend, GrammarError, Matcher
+from radixlm.runtime.constrained.constraint_regex import DTYPE_REGEXES, load_schema, structural_tag
 from radixlm.runtime.constrained.jump_forward import Forced
+from radixlm.runtime.token_mask import allocate_mask, forbid_token
 
 
 def _tokenizer_info(table: Sequence[bytes | None], eos_token_id: int) -> xgrammar.TokenizerInfo:
@@ -152,8 +151,7 @@ class XGrammarMatcher(Matcher):
 
     def _only_eos(self) -> bool:
         """Whether EOS is the one token allowed next (xgrammar says only that the text may end)."""
-        row = torch.zeros(1, (self._backend.info.vocab_size + 31) // 32, dtype=torch.int32)
+        row = allocate_mask(1, self._backend.info.vocab_size, allowed=False)
         self.matcher.fill_next_token_bitmask(row)
-        word, bit = divmod(self._backend.eos_token_id, 32)
-        row[0, word] &= ~((1 << bit) - (1 << 32 if bit == 31 else 0))
+        forbid_token(row, self._backend.eos_token_id)
         return not bool(row.any())

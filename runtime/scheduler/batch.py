@@ -17,13 +17,16 @@ from radixlm.runtime.constrained.grammar import grammar_bitmask
 from radixlm.runtime.scheduler.kv_manager import KVManager
 from radixlm.runtime.scheduler.req import Req
 from radixlm.runtime.utils import ragged_arange
-from radixlm.runtime.worker.forward_batch import ForwardMode
-from radixlm.runtime.worker.model_worker import WorkerBatch
+from radixlm.runtime.worker.forward_batch import ForwardMode, WorkerBatch
 from radixlm.runtime.worker.sampler import PenaltyCounts, SamplingBatch
 
 
 @dataclass
 class ScheduledBatch:
+    """The scheduler's own record of a step: which requests run and with how many tokens. It never
+    leaves the scheduler; `to_worker_batch` turns it into the `WorkerBatch` that crosses to the
+    worker, and after the step the scheduler reads the results back against it."""
+
     reqs: list[Req]  # packed order: the num_decode one-token rows, then the rest
     extend_lens: list[int]
     num_decode: int

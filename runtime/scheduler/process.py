@@ -1,11 +1,10 @@
-"""The scheduler process: receive requests, step the scheduler, send token outputs."""
+"""The scheduler process: receive requests, step the scheduler, send token outputs (started by
+`launch.run_child`)."""
 
 from __future__ import annotations
 
 import logging
-import signal
 import uuid
-from multiprocessing.connection import Connection
 
 import zmq
 
@@ -22,9 +21,9 @@ log = logging.getLogger("radixlm.scheduler")
 class SchedulerProcess:
     def __init__(self, args: ServerArgs, recv_from: str, send_to: str) -> None:
         from radixlm.runtime.tokenizer.loader import load_tokenizer
-        from radixlm.runtime.worker.loader import resolve_model
+        from radixlm.runtime.model_config import resolve_model
         from radixlm.runtime.worker.model_worker import ModelWorker
-        from radixlm.runtime.worker.tp_worker import init_group
+        from radixlm.runtime.worker.parallel import init_group
 
         source = resolve_model(args.model_path)
         tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source, args.tokenizer_path)
@@ -38,6 +37,14 @@ class SchedulerProcess:
         self.ctx = zmq.Context()
         self.inbox = ipc.socket(self.ctx, zmq.PULL, recv_from, bind=False)
         self.outbox = ipc.socket(self.ctx, zmq.PUSH, send_to, bind=False)
+
+    def ready_info(self) -> dict:
+        """What the parent learns when this process is ready (launch.run_child sends it)."""
+        w = self.worker
+        return {"context_length": w.context_length, "vocab_size": w.config.vocab_size,
+                "max_total_tokens": w.num_pages * w.page_size, "page_size": w.page_size,
+                "architecture": w.config.architecture, "dtype": str(w.dtype).removeprefix("torch."),
+                "device": str(w.device)}
 
     def run_forever(self) -> None:
         s = self.scheduler
@@ -127,22 +134,3 @@ class SchedulerProcess:
 def _refused(req: TokenizedRequest, message: str, status: int = 400) -> TokenOutput:
     return TokenOutput(req.rid, [], len(req.input_ids), 0, 0, finish_reason={"type": "abort", "message": message,
                                                                                "status": status})
-
-
-def run_scheduler_process(args: ServerArgs, recv_from: str, send_to: str, ready: Connection) -> None:
-    """Entry point of the scheduler process: report readiness (or the start-up error) on `ready`."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
-    ipc.die_with_parent("radixlm-sched")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        proc = SchedulerProcess(args, recv_from, send_to)
-    except Exception as e:  # noqa: BLE001 - reported to the parent, which exits with it
-        log.exception("scheduler failed to start")
-        ready.send({"error": f"{type(e).__name__}: {e}"})
-        return
-    w = proc.worker
-    ready.send({"ok": True, "context_length": w.context_length, "vocab_size": w.config.vocab_size,
-                "max_total_tokens": w.num_pages * w.page_size, "page_size": w.page_size,
-                "architecture": w.config.architecture, "dtype": str(w.dtype).removeprefix("torch."),
-                "device": str(w.device)})
-    proc.run_forever()

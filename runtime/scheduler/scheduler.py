@@ -19,9 +19,11 @@ import uuid
 from typing import Callable
 
 from radixlm.runtime.args import ServerArgs
-from radixlm.runtime.constrained.grammar import GrammarCompiler, GrammarError, constraint_key
+from radixlm.runtime.constrained.backend import GrammarError
+from radixlm.runtime.constrained.grammar import GrammarCompiler, constraint_key
 from radixlm.runtime.constrained.reasoning_gate import ReasoningGate
-from radixlm.runtime.messages import TokenizedRequest, TokenOutput
+from radixlm.runtime.messages import CONSTRAINT_NOT_GIVEN, TokenizedRequest, TokenOutput
+from radixlm.runtime.native import BadRequest, check_prompt_ids
 from radixlm.runtime.sampling_params import STOP_REGEX_WINDOW
 from radixlm.runtime.scheduler.admission import Admitted, admit, step_budget
 from radixlm.runtime.scheduler.batch import PenaltyTracker, ScheduledBatch, make_batch, sampling_batch, to_worker_batch
@@ -34,8 +36,9 @@ from radixlm.runtime.worker.model_worker import ModelWorker, WorkerOutput
 log = logging.getLogger(__name__)
 
 
-class RequestError(ValueError):
-    """A request the scheduler cannot take (the message says why)."""
+# A request the scheduler cannot take (the message says why): the 400 that request preparation
+# raises, so a caller catches one error whichever of the two refused.
+RequestError = BadRequest
 
 
 class DeviceLost(RuntimeError):
@@ -77,16 +80,11 @@ class Scheduler:
     # ---- API ---------------------------------------------------------------------------------
 
     def add_request(self, tr: TokenizedRequest) -> None:
-        if not tr.input_ids:
-            raise RequestError("the prompt is empty")
-        if len(tr.input_ids) >= self.context_length:
-            raise RequestError(
-                f"the prompt has {len(tr.input_ids)} tokens; the context length is {self.context_length} "
-                "(prompt plus at least one new token must fit)"
-            )
+        """Queue a request; RequestError (or SamplingParamsError) when it cannot run. The front doors
+        prepared it (tokenizer/prepare.py); what is checked here is what must hold whoever made it:
+        ids that index the embedding and fit the context, the pool, the vocabulary and the room left."""
         vocab = self.worker.config.vocab_size
-        if max(tr.input_ids) >= vocab or min(tr.input_ids) < 0:
-            raise RequestError(f"input token ids must lie in [0, {vocab})")
+        check_prompt_ids(tr.input_ids, vocab, self.context_length)
         if tr.rid in self._live:
             raise RequestError(f"request id {tr.rid!r} is already in flight")
         if pages_for(len(tr.input_ids), self.kv.page_size) > self.kv.num_pages:
@@ -100,7 +98,9 @@ class Scheduler:
                 f"{len(tr.input_ids)} tokens and the context length is {self.context_length}, so at most {room}"
             )
         req = Req(tr, self._arrivals)
-        req.grammar_key = constraint_key(tr.sampling_params)
+        req.grammar_key = tr.constraint  # worked out once, by prepare
+        if req.grammar_key is CONSTRAINT_NOT_GIVEN:  # a request made by hand (tests, benchmarks)
+            req.grammar_key = constraint_key(tr.sampling_params)
         if req.grammar_key is not None:
             self._compiler().submit(req.grammar_key)
         self._live[tr.rid] = req

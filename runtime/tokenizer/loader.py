@@ -13,7 +13,7 @@ import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from radixlm.runtime import tool_calls
-from radixlm.runtime.worker.loader import ModelSource
+from radixlm.runtime.model_config import ModelSource
 
 
 log = logging.getLogger(__name__)

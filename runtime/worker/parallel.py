@@ -1,11 +1,24 @@
-"""Tensor-parallel context: this rank's place in the group and the two collectives layers need."""
+"""Tensor parallelism: this rank's place in the group (`TPContext`), the two collectives layers
+need, joining the group, and each step's batch sent from rank 0.
+
+Rank 0 is the scheduler process's ModelWorker; ranks 1..N-1 are follower processes
+(`tp_worker.Follower`) holding the other shards. Each step rank 0 broadcasts the batch as two
+int64 tensors (a header, then one payload of every `StepTokens` tensor, the sampled and prompt
+rows, and the batch's rows of the req-to-token table), so nothing but tensors crosses the
+group; then every rank runs the same forward pass, whose collectives (all-reduce after
+row-parallel layers, all-gather of vocab-parallel logits) line up. Only rank 0 samples.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from radixlm.runtime.args import ServerArgs
+from radixlm.runtime.worker.forward_batch import ForwardMode, StepTokens, WorkerBatch
 
 
 @dataclass(frozen=True)
@@ -45,3 +58,55 @@ class TPContext:
 
 
 SINGLE = TPContext()
+
+_MODES = [ForwardMode.EXTEND, ForwardMode.DECODE]
+# StepTokens' fields by kind: what every rank receives each step (its int64 tensors and integers)
+_TENSORS = [f.name for f in fields(StepTokens) if f.type == "torch.Tensor"]
+_INTS = [f.name for f in fields(StepTokens) if f.type == "int"]
+
+
+def init_group(args: ServerArgs, rank: int) -> TPContext:
+    """Join the tensor-parallel group as `rank` (gloo on CPUs, NCCL on GPUs); SINGLE for tp size 1."""
+    if args.tp_size == 1:
+        return SINGLE
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{args.dist_init_addr}",
+                            world_size=args.tp_size, rank=rank, timeout=timedelta(seconds=args.dist_timeout))
+    return TPContext(rank, args.tp_size, dist.group.WORLD)
+
+
+def send_batch(b: WorkerBatch, table: torch.Tensor, tp: TPContext) -> None:
+    """Rank 0: broadcast what the other ranks need to run `b` (ModelWorker.forward calls this): a
+    header (the mode, the step's integers, each tensor's length), then every tensor and the
+    batch's rows of the req-to-token table as one payload."""
+    cols = b.max_seq_len
+    tensors = [getattr(b, name) for name in _TENSORS] + [b.sample_rows, _or_empty(b.prompt_rows, b.sample_rows)]
+    header = torch.tensor([_MODES.index(b.mode), *(getattr(b, name) for name in _INTS), *(t.numel() for t in tensors)],
+                          dtype=torch.int64, device=table.device)
+    payload = torch.cat([*tensors, table[b.req_rows, :cols].reshape(-1)])
+    dist.broadcast(header, 0, group=tp.group)
+    dist.broadcast(payload, 0, group=tp.group)
+
+
+def receive_batch(table: torch.Tensor, tp: TPContext) -> WorkerBatch:
+    """Ranks 1..N-1: the next step's batch (without sampling: rank 0 samples); its rows of the
+    req-to-token table are written into `table`."""
+    header = torch.empty(1 + len(_INTS) + len(_TENSORS) + 2, dtype=torch.int64, device=table.device)
+    dist.broadcast(header, 0, group=tp.group)
+    mode, *rest = header.tolist()
+    ints = dict(zip(_INTS, rest[: len(_INTS)]))
+    sizes = rest[len(_INTS):]
+    reqs, cols = sizes[_TENSORS.index("req_rows")], ints["max_seq_len"]
+    payload = torch.empty(sum(sizes) + reqs * cols, dtype=torch.int64, device=table.device)
+    dist.broadcast(payload, 0, group=tp.group)
+    *tensors, sample_rows, prompt_rows, rows_table = payload.split(sizes + [reqs * cols])
+    step = dict(zip(_TENSORS, tensors))
+    table[step["req_rows"], :cols] = rows_table.view(reqs, cols)
+    return WorkerBatch(mode=_MODES[mode], **ints, **step, sample_rows=sample_rows, sampling=None,
+                       prompt_rows=prompt_rows)
+
+
+def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return t if t is not None else like[:0]

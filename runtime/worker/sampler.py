@@ -1,9 +1,11 @@
 """Batched next-token sampling over a ``[B, V]`` logits tensor.
 
-One step runs: raw logits -> repetition penalty (prompt + output tokens) ->
-frequency / presence penalties (output tokens) -> logit bias -> min-new-tokens
-blocking -> greedy rows take the argmax; sampled rows divide by temperature,
-softmax, apply top-k, top-p, min-p and draw with an exponential race.
+One step runs: raw logits -> the grammar mask (constrained rows' disallowed
+tokens to -inf, in place; token_mask.py) -> repetition penalty (prompt +
+output tokens) -> frequency / presence penalties (output tokens) -> logit bias
+-> min-new-tokens blocking -> greedy rows take the argmax; sampled rows divide
+by temperature, softmax, apply top-k, top-p, min-p and draw with an
+exponential race. Logprobs are of the masked logits.
 
 Every per-row setting is one tensor per field per step (``SamplingBatch``), so
 the hot path has no per-token Python loops. Top-k takes the batch's largest k
@@ -21,6 +23,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.token_mask import apply_bitmask
 
 # Below this the softmax of logits / T overflows float32; T -> 0 is argmax anyway.
 _MIN_TEMPERATURE = 1e-5
@@ -40,7 +43,9 @@ _MIX2 = _int64(0x94D049BB133111EB)
 
 @dataclass
 class SamplingBatch:
-    """Per-step sampling tensors for B rows, made by ``build``.
+    """Per-step sampling tensors for B rows, made by ``build``: the sampler's input, part of the
+    ``WorkerBatch`` the scheduler hands the worker (the scheduler builds it; it never reaches
+    tensor-parallel followers, since only rank 0 samples).
 
     Optional tensors are ``None`` when no row of the batch uses the feature,
     so the sampler skips that work entirely. Rows that do not use a built
@@ -69,7 +74,7 @@ class SamplingBatch:
     min_tokens_block: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) -> -inf
     seeded_rows: torch.Tensor | None  # [S] int64: sampled rows whose request has a seed
     step_seeds: torch.Tensor | None  # [S] int64: per seeded row, its seed mixed with len(output_ids)
-    grammar_mask: torch.Tensor | None = None  # [B, ceil(V/32)] int32 allowed-token bits (constrained rows)
+    grammar_mask: torch.Tensor | None = None  # [B, ceil(V/32)] int32 allowed-token bits (token_mask.py), applied first
 
     @property
     def needs_processing(self) -> bool:
@@ -131,8 +136,9 @@ class SamplingBatch:
 
 class SampleOutput(NamedTuple):
     next_token_ids: torch.Tensor  # [B] int64
-    # Log-probability of the chosen token under log_softmax(raw logits), i.e.
-    # the model's distribution before penalties and temperature.
+    # Log-probability of the chosen token under log_softmax(raw logits after the
+    # grammar mask), i.e. the model's distribution before penalties and temperature
+    # (constrained rows': the masked distribution).
     logprobs: torch.Tensor | None  # [B] float32
     top_logprobs: torch.Tensor | None  # [B, K] float32, K = top_logprobs_num
     top_logprob_ids: torch.Tensor | None  # [B, K] int64
@@ -149,6 +155,10 @@ class Sampler:
         top_logprobs_num: int = 0,
     ) -> SampleOutput:
         logits = logits.float()  # no-op for the float32 the model runner hands us
+        if batch.grammar_mask is not None:
+            # NOTE: first and in place (on the caller's tensor when it is float32): constrained rows'
+            # logprobs then describe the masked distribution
+            apply_bitmask(logits, batch.grammar_mask)
         processed = apply_logit_processors(logits, batch)
         if batch.all_greedy:
             next_ids = processed.argmax(dim=-1)

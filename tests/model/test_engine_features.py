@@ -206,7 +206,7 @@ def test_bad_requests_raise_clear_errors(tiny_llama):
 
 def test_bad_model_paths(tmp_path):
     from radixlm.runtime.local_engine import LocalEngine
-    from radixlm.runtime.worker.model_config import UnsupportedModelError
+    from radixlm.runtime.model_config import UnsupportedModelError
 
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LocalEngine(str(tmp_path / "missing"))

@@ -105,12 +105,13 @@ def test_a_rank_reads_only_its_shards(model, size, request, monkeypatch):
     shares are the right parts of the whole."""
     import gguf.quants
 
+    from radixlm.runtime.model_config import load_config, resolve_model
     from radixlm.runtime.worker import loader
     from radixlm.runtime.worker.models.llama import ARCHITECTURES
     from radixlm.runtime.worker.parallel import TPContext
 
-    src = loader.resolve_model(request.getfixturevalue("tiny_llama").path if model.startswith("tiny") else None)
-    cfg = loader.load_config(src)
+    src = resolve_model(request.getfixturevalue("tiny_llama").path if model.startswith("tiny") else None)
+    cfg = load_config(src)
     whole = ARCHITECTURES[cfg.architecture](cfg, TPContext())
     whole.load_weights(loader.iter_weights(src, cfg))
     total = sum(p.numel() for p in whole.parameters())

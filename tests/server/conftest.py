@@ -46,7 +46,7 @@ class LiveServer:
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 300) -> None:
-        from radixlm.runtime.server.launch_server import wait_until_serving
+        from radixlm.runtime.launch import wait_until_serving
 
         try:
             wait_until_serving(self.url, self.proc, timeout)

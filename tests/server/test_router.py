@@ -24,7 +24,7 @@ def replicas(tiny_llama):
 
 
 def start_router(urls: list[str], policy: str) -> tuple[str, subprocess.Popen]:
-    from radixlm.runtime.server.launch_server import wait_until_serving
+    from radixlm.runtime.launch import wait_until_serving
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "radixlm.runtime.cli", "router", "--worker-urls", *urls, "--policy", policy,

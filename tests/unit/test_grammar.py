@@ -7,8 +7,10 @@ import time
 
 import pytest
 import torch
-from radixlm.runtime.constrained.grammar import GrammarCompiler, GrammarError, apply_bitmask, grammar_bitmask
+from radixlm.runtime.constrained.backend import GrammarError
+from radixlm.runtime.constrained.grammar import GrammarCompiler, grammar_bitmask
 from radixlm.runtime.constrained.outlines_backend import OutlinesBackend
+from radixlm.runtime.token_mask import apply_bitmask
 
 TOKENS = {"a": 1, "b": 2, "ab": 3, "1": 4, "2": 5, "{": 6, "}": 7, '"': 8, ".": 9, "x": 40, "y": 70}
 VOCAB = 80  # wider than 64 so rows span three mask words

@@ -15,7 +15,7 @@ import regex as partial_re
 import torch
 
 from radixlm.runtime.args import GRAMMAR_BACKENDS, ServerArgs
-from radixlm.runtime.constrained.constraint_regex import GrammarError
+from radixlm.runtime.constrained.backend import GrammarError
 from radixlm.runtime.constrained.grammar import compiler_factory, grammar_bitmask
 from radixlm.runtime.constrained.outlines_backend import OutlinesMatcher
 

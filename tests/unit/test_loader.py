@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from radixlm.runtime.worker.loader import _unpermute_rows, default_model_path, gguf_to_hf_name, resolve_model
-from radixlm.runtime.worker.model_config import ModelConfig, UnsupportedModelError
+from radixlm.runtime.model_config import default_model_path, resolve_model
+from radixlm.runtime.worker.loader import _unpermute_rows, gguf_to_hf_name
+from radixlm.runtime.model_config import ModelConfig, UnsupportedModelError
 
 
 def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -72,11 +73,12 @@ def test_gguf_slices_equal_the_slices_of_the_whole_tensor():
     equals the same part of the whole tensor, dequantized and un-permuted in one go."""
     from gguf.quants import dequantize
 
-    from radixlm.runtime.worker.loader import _gguf_reader, _iter_gguf, load_config
+    from radixlm.runtime.model_config import gguf_reader, load_config
+    from radixlm.runtime.worker.loader import _iter_gguf
 
     src = resolve_model(None)
     config = load_config(src)
-    raw = {gguf_to_hf_name(t.name): t for t in _gguf_reader(src.path).tensors}
+    raw = {gguf_to_hf_name(t.name): t for t in gguf_reader(src.path).tensors}
     seen = set()
     for name, lazy in _iter_gguf(src.path, config):
         kind = (name.split(".")[-2], len(lazy.shape))

@@ -10,14 +10,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from radixlm.runtime.args import GRAMMAR_BACKENDS
-from radixlm.runtime.constrained.backend import make_backend
-from radixlm.runtime.constrained.grammar import apply_bitmask, grammar_bitmask
+from radixlm.runtime.constrained.grammar import grammar_bitmask, make_backend
 from radixlm.runtime.constrained.reasoning_gate import NOTHING_FORCED, ReasoningGate
 from radixlm.runtime.reasoning import FORMATS, ReasoningStream, Split, gate_ids, reasoning_format, split_reasoning
 from radixlm.runtime.server.openai_builders import chat_response
 from radixlm.runtime.server.openai_protocol import ChatCompletionRequest
 from radixlm.runtime.server.openai_to_native import chat_messages, chat_to_generate
 from radixlm.runtime.server.output_readers import ChoiceStream, ReasoningReader, ToolReader
+from radixlm.runtime.token_mask import apply_bitmask
 
 QWEN3, R1 = FORMATS["qwen3"], FORMATS["deepseek-r1"]
 

@@ -11,9 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixlm.runtime.constrained.constraint_regex import GrammarError, text_without, to_regex
-from radixlm.runtime.constrained.grammar import GrammarCompiler, apply_bitmask, grammar_bitmask
+from radixlm.runtime.constrained.backend import GrammarError
+from radixlm.runtime.constrained.constraint_regex import text_without, to_regex
+from radixlm.runtime.constrained.grammar import GrammarCompiler, grammar_bitmask
 from radixlm.runtime.constrained.outlines_backend import OutlinesBackend
+from radixlm.runtime.token_mask import apply_bitmask
 
 TOKENS = ["<", "c", ">", "<c>", "1", "2", "}", "x", " "]
 EOS = 0

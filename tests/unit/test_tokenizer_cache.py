@@ -7,7 +7,7 @@ import shutil
 import time
 
 from radixlm.runtime.tokenizer.loader import load_tokenizer, tokenizer_cache_dir
-from radixlm.runtime.worker.loader import resolve_model
+from radixlm.runtime.model_config import resolve_model
 
 TEXTS = ["Hello world", "wörld  \t 🤖 12345\n\n", "<|im_start|>user\nHi<|im_end|>\n", " leading space", ""]
 

