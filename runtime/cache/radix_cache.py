@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -106,6 +106,44 @@ class PrefixCache(ABC):
     @abstractmethod
     def reset(self) -> None:
         """Drop everything, pages back to the allocator. Only valid when nothing is locked."""
+
+    def snapshot(self, max_nodes: int = 64, head_tokens: int = 16) -> dict[str, Any]:
+        """The cached prefixes as a tree of at most `max_nodes` nodes, the ones holding the most
+        tokens below them first: a view for people (the dashboard), made on request in one walk
+        of the tree, never per step. A node: `tokens` (its own), `depth` (the prefix's tokens up
+        to its end), `subtree_tokens`, `locks` (running requests holding it), `uses_ago` (tree
+        uses since its last: 0 is the latest), `head` (its first `head_tokens` ids), `children`,
+        and `hidden` / `hidden_tokens` for the children left out."""
+        root = self.root
+        below: dict[int, int] = {}  # id(node) -> tokens in its subtree, itself included
+        order, stack = [], [root]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children.values())
+        for node in reversed(order):  # children before parents
+            below[id(node)] = len(node.key) + sum(below[id(c)] for c in node.children.values())
+        latest = max((n.last_access for n in order), default=0)
+        out = {"tokens": 0, "depth": 0, "subtree_tokens": below[id(root)], "locks": 0, "uses_ago": 0,
+               "head": [], "children": []}
+        shown, seq = {id(root): out}, itertools.count()
+        frontier = [(-below[id(c)], next(seq), c, out, 0) for c in root.children.values()]
+        heapq.heapify(frontier)
+        while frontier and len(shown) <= max_nodes:
+            _, _, node, parent, depth = heapq.heappop(frontier)
+            view = {"tokens": len(node.key), "depth": depth + len(node.key), "subtree_tokens": below[id(node)],
+                    "locks": node.lock_ref, "uses_ago": latest - node.last_access,
+                    "head": node.key[:head_tokens], "children": []}
+            parent["children"].append(view)
+            shown[id(node)] = view
+            for c in node.children.values():
+                heapq.heappush(frontier, (-below[id(c)], next(seq), c, view, view["depth"]))
+        for node in order:
+            view = shown.get(id(node))
+            if view is not None:
+                left_out = [c for c in node.children.values() if id(c) not in shown]
+                view["hidden"], view["hidden_tokens"] = len(left_out), sum(below[id(c)] for c in left_out)
+        return out
 
     @abstractmethod
     def check_invariants(self) -> None:

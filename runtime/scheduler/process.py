@@ -114,7 +114,28 @@ class SchedulerProcess:
             return {"ok": True, "idle": not self.scheduler.has_work, "locked_pages": kv.cache.locked_pages,
                     "free_pages": kv.allocator.num_free_pages, "evictable_pages": kv.cache.evictable_pages,
                     "pool_pages": kv.num_pages, "live": self._live_requests()}
+        if op == "dashboard":
+            return self._dashboard()
         return {"error": f"unknown control op {op!r}"}
+
+    def _dashboard(self, max_nodes: int = 64) -> dict:
+        """What the live view shows: the queues, the latest step, the KV pages by state, and the
+        radix tree's largest prefixes (their first tokens decoded), taken now."""
+        s, kv = self.scheduler, self.scheduler.kv
+        free, evictable, locked = kv.allocator.num_free_pages, kv.cache.evictable_pages, kv.cache.locked_pages
+        tree = kv.cache.snapshot(max_nodes)
+        if s.decode is not None:
+            stack = [tree]
+            while stack:
+                node = stack.pop()
+                node["head_text"] = s.decode(node["head"])
+                stack.extend(node["children"])
+        return {"running_requests": len(s.running), "waiting_requests": len(s.waiting),
+                "pending_requests": len(s.pending), "chunked_request": s.chunked is not None,
+                **s.activity(),
+                "page_size": kv.page_size, "pool_pages": kv.num_pages, "free_pages": free,
+                "evictable_pages": evictable, "locked_pages": locked,
+                "request_pages": kv.num_pages - free - evictable - locked, "tree": tree}
 
     def _live_requests(self, limit: int = 8) -> list[dict]:
         """Where the requests in flight stand (the first `limit`), so a check that finds the

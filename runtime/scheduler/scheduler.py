@@ -15,8 +15,10 @@ from __future__ import annotations
 import logging
 import re
 import select
+import time
 import uuid
-from typing import Callable
+from collections import deque
+from typing import Callable, NamedTuple
 
 from radixlm.runtime.args import ServerArgs
 from radixlm.runtime.constrained.backend import GrammarError
@@ -39,6 +41,16 @@ log = logging.getLogger(__name__)
 # A request the scheduler cannot take (the message says why): the 400 that request preparation
 # raises, so a caller catches one error whichever of the two refused.
 RequestError = BadRequest
+
+
+class StepRecord(NamedTuple):
+    """One step, as the dashboard shows it."""
+
+    at: float  # time.monotonic() when it ended
+    decode_rows: int
+    prefill_rows: int
+    prefill_tokens: int
+    sampled: int  # tokens the step produced
 
 
 class DeviceLost(RuntimeError):
@@ -74,6 +86,7 @@ class Scheduler:
         self.forward_passes = 0
         self.request_passes = 0
         self._ended: list[TokenOutput] = []  # outputs of requests ended while scheduling
+        self.recent_steps: deque[StepRecord] = deque(maxlen=512)  # for people watching: `activity`
         self._live: dict[str, Req] = {}  # every request not yet ended, by id
         self.penalties = PenaltyTracker(worker.req_to_token.table.shape[0], worker.config.vocab_size, worker.device)
 
@@ -176,6 +189,15 @@ class Scheduler:
             select.select([fd], [], [], timeout)
             self.grammar.drain_ready()
 
+    def activity(self, window_s: float = 2.0) -> dict:
+        """The latest step and the tokens per second produced over the last `window_s` seconds."""
+        now = time.monotonic()
+        recent = [r for r in self.recent_steps if r.at >= now - window_s]
+        last = self.recent_steps[-1] if self.recent_steps else None
+        return {"tokens_per_s": sum(r.sampled for r in recent) / window_s,
+                "steps_per_s": len(recent) / window_s,
+                "last_step": None if last is None else {**last._asdict(), "seconds_ago": now - last.at}}
+
     @property
     def num_requests(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.pending) + (self.chunked is not None)
@@ -189,6 +211,9 @@ class Scheduler:
             ended, self._ended = self._ended, []
             return ended
         outputs, _ = self._run(batch)
+        d = batch.num_decode
+        self.recent_steps.append(StepRecord(time.monotonic(), d, len(batch.reqs) - d, sum(batch.extend_lens[d:]),
+                                            len(batch.sampled)))
         if self.args.debug_accounting:
             self.check_accounting()
         return outputs

@@ -93,6 +93,13 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
         """Run the scheduler's KV accounting check (tests call it after every workload)."""
         return await state.client.control("check_accounting")
 
+    @app.get("/debug/dashboard")
+    async def dashboard() -> dict:
+        """The live view's numbers, taken now: queues, the latest step, tokens/s, KV pages by state,
+        the radix tree's largest prefixes, the cache hit rate of finished requests."""
+        view = await state.client.control("dashboard")
+        return {**view, "cache_hit_rate": state.metrics.hit_rate}
+
     @app.post("/flush_cache")
     async def flush_cache() -> Response:
         done = (await state.client.control("flush_cache"))["success"]

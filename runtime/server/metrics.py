@@ -57,11 +57,16 @@ class Metrics:
             if completion > 1:
                 self.itl.observe((meta["e2e_latency"] - meta["time_to_first_token"]) / (completion - 1))
 
+    @property
+    def hit_rate(self) -> float:
+        """Cached prompt tokens / prompt tokens of the requests finished since start."""
+        return self._cached_total / self._prompt_total if self._prompt_total else 0.0
+
     def render(self, scheduler_info: dict[str, Any]) -> bytes:
         self.running.set(scheduler_info.get("running_requests", 0))
         self.queued.set(scheduler_info.get("waiting_requests", 0))
         pool = scheduler_info.get("kv_pool_tokens") or 1
         used = pool - scheduler_info.get("free_tokens", pool) - scheduler_info.get("cached_tokens", 0)
         self.token_usage.set(max(used, 0) / pool)
-        self.cache_hit_rate.set(self._cached_total / self._prompt_total if self._prompt_total else 0.0)
+        self.cache_hit_rate.set(self.hit_rate)
         return generate_latest(self.registry)

@@ -372,3 +372,62 @@ class RadixMachine(RuleBasedStateMachine):
 
 TestRadixMachine = RadixMachine.TestCase
 TestRadixMachine.settings = settings(stateful_step_count=12, deadline=None)
+
+
+# ---- the dashboard's snapshot ---------------------------------------------------------------
+
+SYSTEM = list(range(1, 21))  # 20 tokens two requests share
+
+
+def _shared_prefix_cache() -> tuple[RadixCache, Sim]:
+    """root -> SYSTEM (20) -> [100, 101, 102] (3) and [200] * 5 (5); root -> [900] * 3 (3)."""
+    _, cache = make(1)
+    sim = Sim(cache)
+    for tokens in (SYSTEM + [100, 101, 102], SYSTEM + [200] * 5, [900] * 3):
+        cache_tokens(sim, tokens)
+    return cache, sim
+
+
+def _shape(view: dict) -> tuple:
+    return (view["tokens"], view["depth"], view["subtree_tokens"], [_shape(c) for c in view["children"]])
+
+
+def test_snapshot_draws_the_tree_largest_first() -> None:
+    cache, _ = _shared_prefix_cache()
+    tree = cache.snapshot()
+    assert _shape(tree) == (0, 0, 31, [(20, 20, 28, [(5, 25, 5, []), (3, 23, 3, [])]), (3, 3, 3, [])])
+    system = tree["children"][0]
+    assert system["head"] == SYSTEM[:16] and cache.snapshot(head_tokens=4)["children"][0]["head"] == [1, 2, 3, 4]
+    assert system["hidden"] == 0 and system["hidden_tokens"] == 0 and system["locks"] == 0
+    # the latest use ([900] * 3, cached last) is 0 uses ago; the others were used before it
+    assert tree["children"][1]["uses_ago"] == 0 and system["uses_ago"] > 0
+    cache.check_invariants()
+
+
+def test_snapshot_is_bounded_and_counts_what_it_leaves_out() -> None:
+    cache, _ = _shared_prefix_cache()
+    tree = cache.snapshot(max_nodes=2)
+    # best first by tokens below: SYSTEM (28), then its [200] * 5 child (5) before [900] * 3 (3)
+    assert _shape(tree) == (0, 0, 31, [(20, 20, 28, [(5, 25, 5, [])])])
+    assert (tree["hidden"], tree["hidden_tokens"]) == (1, 3)
+    system = tree["children"][0]
+    assert (system["hidden"], system["hidden_tokens"]) == (1, 3)
+    assert cache.snapshot(max_nodes=0)["children"] == []
+
+
+def test_snapshot_shows_locks_and_changes_nothing() -> None:
+    cache, sim = _shared_prefix_cache()
+    req = sim.start(SYSTEM + [300, 301])  # a running request holds the shared prefix
+    before = (cache.evictable_pages, cache.locked_pages, cache.allocator.num_free_pages)
+    system = cache.snapshot()["children"][0]
+    assert system["locks"] == 1 and system["tokens"] == 20
+    assert (cache.evictable_pages, cache.locked_pages, cache.allocator.num_free_pages) == before
+    sim.finish(req)
+    assert cache.snapshot()["children"][0]["locks"] == 0
+    cache.check_invariants()
+
+
+def test_snapshot_of_no_prefix_cache_is_empty() -> None:
+    cache = NoPrefixCache(PageAllocator(8, 4))
+    tree = cache.snapshot()
+    assert tree["children"] == [] and tree["subtree_tokens"] == 0 and tree["hidden"] == 0
