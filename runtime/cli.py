@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                           "(default: $RADIXLM_API_KEY; the variable keeps the key out of the process list)")
     srv.add_argument("--max-request-bytes", type=int, default=None, help="largest request body accepted (default 32 MiB)")
+    srv.add_argument("--no-webui", action="store_true", help="serve no web page at / (the chat playground and dashboard)")
     srv.add_argument("--max-queued-requests", type=int, default=None,
                      help="requests that may wait beyond --max-running-requests; more get 503 + Retry-After "
                           "(default: no limit)")
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         from radixlm.runtime.launch import serve
 
         return serve(ServerArgs.from_cli_args(ns), ns.host, ns.port, ns.api_key, ns.max_request_bytes,
-                     ns.max_queued_requests)
+                     ns.max_queued_requests, webui=not ns.no_webui)
     return 2
 
 

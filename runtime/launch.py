@@ -174,8 +174,9 @@ def _wait_ready(name: str, reader: Any, proc: mp.process.BaseProcess, timeout: f
 # ---- `radixlm serve`: the process group with the HTTP server in front -----------------------
 
 def serve(args: ServerArgs, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None,
-          max_request_bytes: int | None = None, max_queued_requests: int | None = None) -> int:
-    """Run until SIGINT/SIGTERM (exit 0) or until a runtime process dies (exit 1)."""
+          max_request_bytes: int | None = None, max_queued_requests: int | None = None, webui: bool = True) -> int:
+    """Run until SIGINT/SIGTERM (exit 0) or until a runtime process dies (exit 1). `webui`: the
+    page at `/` (server/webui.py)."""
     import asyncio
     import threading
 
@@ -196,7 +197,7 @@ def serve(args: ServerArgs, host: str = "127.0.0.1", port: int = 30000, api_key:
         if max_queued_requests is not None:
             client.max_in_flight = args.max_running_requests + max_queued_requests
         state = ServerState(client, info, dataclasses.asdict(args), model_name)
-        app = create_app(state, api_key, max_request_bytes or MAX_REQUEST_BYTES)
+        app = create_app(state, api_key, max_request_bytes or MAX_REQUEST_BYTES, webui)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3)
         server = uvicorn.Server(config)
 
@@ -205,8 +206,9 @@ def serve(args: ServerArgs, host: str = "127.0.0.1", port: int = 30000, api_key:
             while not server.should_exit:
                 if server.started and not announced:
                     announced = True
+                    page = f"; the page at http://{host}:{port}/" if webui else ""
                     print(f"radixlm ready on http://{host}:{port} ({group.info.get('architecture')}, "
-                          f"{group.info.get('max_total_tokens')} KV tokens)", flush=True)
+                          f"{group.info.get('max_total_tokens')} KV tokens{page})", flush=True)
                 dead = group.dead_process()
                 if dead:
                     log.error("runtime process died: %s; shutting down", dead)

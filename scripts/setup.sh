@@ -13,3 +13,13 @@ fi
 # SGLang's own frontend, a client no one here wrote, for the drop-in tests: without its server's
 # dependencies (its client needs only the small ones in the test extra).
 "$PY" -m pip install -q --no-deps sglang==0.5.23
+# A headless browser for the web page's tests (tests/server/test_webui.py): Debian's Chromium and
+# its WebDriver, installed where missing (needs root and the package registry).
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null \
+            || echo "setup: could not install chromium and chromium-driver; the web page's browser tests need them" >&2
+    else
+        echo "setup: chromium and chromium-driver are missing; the web page's browser tests need them" >&2
+    fi
+fi

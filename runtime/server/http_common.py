@@ -30,8 +30,12 @@ class Guard:
     """ASGI middleware in front of every endpoint: the API key, then the body size. Plain ASGI
     (not a Starlette BaseHTTPMiddleware), so streams and disconnects pass through untouched."""
 
-    def __init__(self, app: Any, api_key: str | None, max_request_bytes: int) -> None:
+    def __init__(self, app: Any, api_key: str | None, max_request_bytes: int,
+                 open_paths: tuple[str, ...] = ()) -> None:
+        """`open_paths`: paths served without the key, as /health is (one ending in `/*` covers
+        everything under it): the web page's files, which then ask for the key themselves."""
         self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
+        self.open_paths = ("/health", *open_paths)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         refusal = self._refusal(scope) if scope["type"] == "http" else None
@@ -40,9 +44,12 @@ class Guard:
             return
         await self.app(scope, receive, send)
 
+    def _open(self, path: str) -> bool:
+        return any(path == p or (p.endswith("/*") and path.startswith(p[:-1])) for p in self.open_paths)
+
     def _refusal(self, scope: dict) -> tuple[str, int] | None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key and scope["path"] != "/health":
+        if self.api_key and not self._open(scope["path"]):
             scheme, _, token = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
                 return "missing or wrong API key: send the header 'Authorization: Bearer <key>'", 401

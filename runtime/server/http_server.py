@@ -26,17 +26,22 @@ from radixlm.runtime.server.responses_api import add_responses_routes
 from radixlm.runtime.server.responses_protocol import ResponsesRequest
 from radixlm.runtime.server.server_state import ServerState, gather_outputs, merge_streams
 from radixlm.runtime.server.sse import sse, sse_response
+from radixlm.runtime.server.webui import WEBUI_PATHS, add_webui
 
 log = logging.getLogger("radixlm.http")
 
 
-def create_app(state: ServerState, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
-    """The app. With `api_key`, every endpoint but /health wants `Authorization: Bearer <api_key>`;
-    bodies over `max_request_bytes` (or without a length) are refused before they are read."""
+def create_app(state: ServerState, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
+               webui: bool = True) -> FastAPI:
+    """The app. With `api_key`, every endpoint but /health (and the page's static files, which ask
+    for the key) wants `Authorization: Bearer <api_key>`; bodies over `max_request_bytes` (or
+    without a length) are refused before they are read. `webui`: the page at `/`."""
     app = FastAPI(title="radixlm", version="0.1.0")
     app.state.runtime = state
 
-    app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes)
+    app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes, open_paths=WEBUI_PATHS if webui else ())
+    if webui:
+        add_webui(app)
 
     @app.exception_handler(HTTPError)
     async def _http_error(_: Request, e: HTTPError) -> JSONResponse:

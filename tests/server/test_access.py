@@ -112,3 +112,21 @@ def test_an_unexpected_error_is_a_500_with_an_id_in_the_log(caplog):
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
     error_id = r.json()["error"]["message"].split("error id ")[1].rstrip(")")
     assert f"(error id {error_id})" in caplog.text and "a bug" in caplog.text
+
+
+def test_the_page_needs_no_key_and_asks_for_it():
+    client = app(api_key="secret")
+    page = client.get("/")
+    assert page.status_code == 200 and "<title>radixlm</title>" in page.text
+    for path in ("/webui/app.js", "/webui/style.css"):
+        assert client.get(path).status_code == 200, path
+    assert app().get("/webui/%2E%2E/webui.py").status_code == 404  # only the page's own files
+    assert client.get("/webui/../webui.py").status_code == 401  # (the path as resolved is not open)
+    assert client.get("/v1/models").status_code == 401 and client.get("/debug/dashboard").status_code == 401
+    assert "Bearer" in client.get("/webui/app.js").text  # the page sends the key it asked for
+
+
+def test_no_webui_serves_no_page():
+    client = app(webui=False)
+    assert client.get("/").status_code == 404 and client.get("/webui/app.js").status_code == 404
+    assert app(api_key="secret", webui=False).get("/").status_code == 401  # nothing left open but /health

@@ -31,6 +31,9 @@ def test_an_installed_copy_has_one_import_name(tmp_path):
     assert top == ["radixlm", "radixlm-0.1.0.dist-info"], top
     assert sorted(p.name for p in (target / "radixlm").iterdir() if p.is_dir() and p.name != "__pycache__") == [
         "kernels", "lang", "runtime"]
+    # the web page's static files travel with the package (package-data)
+    static = target / "radixlm" / "runtime" / "server" / "static"
+    assert sorted(p.name for p in static.iterdir()) == ["app.js", "index.html", "style.css"]
     # run from elsewhere, so neither the repository nor its editable install can answer for it
     env = {**os.environ, "PYTHONPATH": str(target)}
     out = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, env=env, capture_output=True, text=True,
