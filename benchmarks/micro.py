@@ -65,11 +65,13 @@ def radix_rows(leaves: int, rng: random.Random) -> list[str]:
 
     t_insert = timed(insert_all)
     nodes = cache._num_nodes
+    t_snapshot = timed(cache.snapshot)  # the dashboard's tree: one walk, on request
     probes = [rng.choice(seqs) if i % 2 else rng.choice(trunks) + [1, 2, 3] for i in range(leaves)]
     t_match = timed(lambda: [cache.match_prefix(p) for p in probes])
     pages = cache.evictable_pages
     t_evict = timed(lambda: [cache.evict(64) for _ in range(pages // 64 + 1)])
-    return [f"| {leaves} | {nodes} | {leaves / t_insert:,.0f} | {leaves / t_match:,.0f} | {pages / t_evict:,.0f} |"]
+    return [f"| {leaves} | {nodes} | {leaves / t_insert:,.0f} | {leaves / t_match:,.0f} | {pages / t_evict:,.0f} "
+            f"| {t_snapshot * 1e3:.1f} |"]
 
 
 # ---- 2. scheduler overhead -----------------------------------------------------------------------
@@ -245,7 +247,7 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     rng = random.Random(0)
     print(f"## Radix cache ({'quick' if args.quick else 'full'})\n")
-    print("| requests | tree nodes | insert/s | match/s | evicted pages/s |\n|---|---|---|---|---|")
+    print("| requests | tree nodes | insert/s | match/s | evicted pages/s | snapshot ms |\n|---|---|---|---|---|---|")
     for leaves in ([1000] if args.quick else [10_000, 30_000, 100_000]):
         print(*radix_rows(leaves, rng), sep="\n")
     print("\n## Scheduler overhead per decode step (fake worker, no model)\n")

@@ -9,17 +9,20 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
+from operator import attrgetter
 from typing import Any, NamedTuple, Sequence
 
 import torch
 
 from radixlm.runtime.cache.allocator import PageAllocator
 
+_BELOW = attrgetter("below")
+
 
 class TreeNode:
     """One edge of the tree: `key` tokens whose KV lives in `value` slots (same length)."""
 
-    __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access")
+    __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access", "below")
 
     def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None,
                  lock_ref: int = 0, last_access: int = 0) -> None:
@@ -29,6 +32,7 @@ class TreeNode:
         self.children: dict[int | tuple[int, ...], TreeNode] = {}
         self.lock_ref = lock_ref
         self.last_access = last_access
+        self.below = len(key)  # tokens in this node and every node under it (the snapshot's order)
 
 
 class MatchResult(NamedTuple):
@@ -109,41 +113,35 @@ class PrefixCache(ABC):
 
     def snapshot(self, max_nodes: int = 64, head_tokens: int = 16) -> dict[str, Any]:
         """The cached prefixes as a tree of at most `max_nodes` nodes, the ones holding the most
-        tokens below them first: a view for people (the dashboard), made on request in one walk
-        of the tree, never per step. A node: `tokens` (its own), `depth` (the prefix's tokens up
-        to its end), `subtree_tokens`, `locks` (running requests holding it), `uses_ago` (tree
-        uses since its last: 0 is the latest), `head` (its first `head_tokens` ids), `children`,
-        and `hidden` / `hidden_tokens` for the children left out."""
-        root = self.root
-        below: dict[int, int] = {}  # id(node) -> tokens in its subtree, itself included
-        order, stack = [], [root]
-        while stack:
-            node = stack.pop()
-            order.append(node)
-            stack.extend(node.children.values())
-        for node in reversed(order):  # children before parents
-            below[id(node)] = len(node.key) + sum(below[id(c)] for c in node.children.values())
-        latest = max((n.last_access for n in order), default=0)
-        out = {"tokens": 0, "depth": 0, "subtree_tokens": below[id(root)], "locks": 0, "uses_ago": 0,
-               "head": [], "children": []}
-        shown, seq = {id(root): out}, itertools.count()
-        frontier = [(-below[id(c)], next(seq), c, out, 0) for c in root.children.values()]
+        tokens below them first: a view for people (the dashboard), made on request and never per
+        step. Its work is bounded by the nodes shown and their children, not the tree: the tokens
+        below each node are kept as the tree changes. A node: `tokens` (its own), `depth` (the
+        prefix's tokens up to its end), `subtree_tokens`, `locks` (running requests holding it),
+        `uses_ago` (tree uses since its last: 0 is the latest), `head` (its first `head_tokens`
+        ids), `children`, and `hidden` / `hidden_tokens` for the children left out."""
+        root, latest = self.root, self._latest_use()
+        out = {"tokens": 0, "depth": 0, "subtree_tokens": root.below, "locks": 0, "uses_ago": 0, "head": [],
+               "children": [], "hidden": len(root.children), "hidden_tokens": root.below}
+        seq = itertools.count()
+        # only a node's `left` largest children can still be shown: the rest are never pushed
+        frontier = [(-c.below, next(seq), c, out) for c in heapq.nlargest(max_nodes, root.children.values(), key=_BELOW)]
         heapq.heapify(frontier)
-        while frontier and len(shown) <= max_nodes:
-            _, _, node, parent, depth = heapq.heappop(frontier)
-            view = {"tokens": len(node.key), "depth": depth + len(node.key), "subtree_tokens": below[id(node)],
-                    "locks": node.lock_ref, "uses_ago": latest - node.last_access,
-                    "head": node.key[:head_tokens], "children": []}
+        for left in range(max_nodes - 1, -1, -1):
+            if not frontier:
+                break
+            _, _, node, parent = heapq.heappop(frontier)
+            view = {"tokens": len(node.key), "depth": parent["depth"] + len(node.key), "subtree_tokens": node.below,
+                    "locks": node.lock_ref, "uses_ago": latest - node.last_access, "head": node.key[:head_tokens],
+                    "children": [], "hidden": len(node.children), "hidden_tokens": node.below - len(node.key)}
             parent["children"].append(view)
-            shown[id(node)] = view
-            for c in node.children.values():
-                heapq.heappush(frontier, (-below[id(c)], next(seq), c, view, view["depth"]))
-        for node in order:
-            view = shown.get(id(node))
-            if view is not None:
-                left_out = [c for c in node.children.values() if id(c) not in shown]
-                view["hidden"], view["hidden_tokens"] = len(left_out), sum(below[id(c)] for c in left_out)
+            parent["hidden"] -= 1
+            parent["hidden_tokens"] -= node.below
+            for c in heapq.nlargest(left, node.children.values(), key=_BELOW):
+                heapq.heappush(frontier, (-c.below, next(seq), c, view))
         return out
+
+    def _latest_use(self) -> int:
+        return 0
 
     @abstractmethod
     def check_invariants(self) -> None:
@@ -176,6 +174,7 @@ class RadixCache(PrefixCache):
         self.root = TreeNode([], torch.empty(0, dtype=torch.int64, device=self.allocator.device), None)
         self._heap: list[tuple[int, int, TreeNode]] = []
         self._num_nodes = 0  # excluding the root
+        self._now = 0  # the clock's latest reading (the snapshot's `uses_ago`)
         self._evictable = 0
         self._locked = 0
 
@@ -229,6 +228,7 @@ class RadixCache(PrefixCache):
             leaf = TreeNode(key[pos:], slots[pos:].clone(), node)
             node.children[self._page_key(leaf.key, 0)] = leaf
             self._num_nodes += 1
+            self._add_below(node, len(leaf.key))
             self._evictable += self._pages(leaf)
             node = leaf
         self._touch(node)
@@ -237,6 +237,8 @@ class RadixCache(PrefixCache):
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut `child` after n tokens; the new upper node is returned, `child` keeps the tail."""
         upper = TreeNode(child.key[:n], child.value[:n], child.parent, child.lock_ref, child.last_access)
+        upper.below = child.below  # the same tokens hang under the cut
+        child.below -= n
         upper.children[self._page_key(child.key, n)] = child
         child.parent.children[self._page_key(child.key, 0)] = upper
         child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
@@ -295,7 +297,7 @@ class RadixCache(PrefixCache):
 
     def _touch(self, node: TreeNode) -> None:
         """Stamp `node` and its ancestors as used now."""
-        now = next(self._clock)
+        now = self._now = next(self._clock)
         deepest = node
         while node is not self.root:
             node.last_access = now
@@ -315,6 +317,7 @@ class RadixCache(PrefixCache):
         self._free_slots(leaf.value)
         del parent.children[self._page_key(leaf.key, 0)]
         leaf.parent = None  # marks it evicted: stale heap entries and locks see it
+        self._add_below(parent, -len(leaf.key))
         self._num_nodes -= 1
         self._evictable -= pages
         self._push_if_evictable(parent)
@@ -353,6 +356,15 @@ class RadixCache(PrefixCache):
     def _pages(self, node: TreeNode) -> int:
         return len(node.key) // self.page_size
 
+    def _add_below(self, node: TreeNode | None, n: int) -> None:
+        """`n` tokens more (or fewer) under `node` and each of its ancestors."""
+        while node is not None:
+            node.below += n
+            node = node.parent
+
+    def _latest_use(self) -> int:
+        return self._now
+
     def _nodes(self) -> list[TreeNode]:
         """All nodes but the root, parents before children."""
         out, stack = [], list(self.root.children.values())
@@ -386,6 +398,9 @@ class RadixCache(PrefixCache):
         assert (evictable, locked) == (self._evictable, self._locked), \
             f"counters (evictable, locked)={(self._evictable, self._locked)} but recount gives {(evictable, locked)}"
         assert self._num_nodes == len(nodes), f"node count {self._num_nodes} != {len(nodes)}"
+        for node in [self.root, *nodes]:
+            assert node.below == len(node.key) + sum(c.below for c in node.children.values()), \
+                f"tokens below {node.key[:P]}: kept {node.below}, counted otherwise"
         in_heap = {id(n) for t, _, n in self._heap if t == n.last_access}
         lost = [n.key[:P] for n in nodes if self._is_evictable_leaf(n) and id(n) not in in_heap]
         assert not lost, f"evictable leaves missing from the heap: {lost[:4]}"

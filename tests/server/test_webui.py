@@ -5,6 +5,7 @@ shared system prompt. Saves the screenshots docs/images/ holds (README shows the
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -62,9 +63,27 @@ def _send(page, text: str) -> None:
     WebDriverWait(page, 10).until(lambda b: len(_replies(b)) == before + 1)
 
 
-def _wait_reply_done(page, timeout: float = 120):
-    WebDriverWait(page, timeout).until(lambda b: _replies(b)[-1].find_elements(By.CSS_SELECTOR, "[data-testid=reply-meta]"))
-    return _replies(page)[-1]
+LAST_REPLY = """
+const replies = document.querySelectorAll('#log li[data-role=assistant]');
+const li = replies[replies.length - 1];
+const part = (sel) => li && li.querySelector(sel);
+return {text: part('.text') ? part('.text').textContent : '', meta: part('.meta') ? part('.meta').textContent : null,
+        cached: part('.meta') ? Number(part('.meta').dataset.cached) : null,
+        check: part('.meta [data-testid=validation]') ? part('.meta [data-testid=validation]').textContent : null,
+        calls: part('[data-testid=tool-calls]') ? part('[data-testid=tool-calls]').textContent : null,
+        running: !document.getElementById('stop').disabled};
+"""
+
+
+def _last_reply(page) -> dict:
+    """The latest reply as the page shows it, read in one script (the page replaces a reply's
+    element when it ends, so element handles held across that go stale)."""
+    return page.execute_script(LAST_REPLY)
+
+
+def _wait_reply_done(page, timeout: float = 120) -> dict:
+    WebDriverWait(page, timeout).until(lambda b: _last_reply(b)["meta"] is not None)
+    return _last_reply(page)
 
 
 def _severe_logs(page) -> list:
@@ -77,23 +96,22 @@ def test_chat_streams_and_a_follow_up_reuses_the_cache(page, server):
     _set(page, "temperature", "0")
     _send(page, "Name three colours.")
     # streamed: text shows while the reply is still running (Stop enabled)
-    stop = page.find_element(By.ID, "stop")
-    WebDriverWait(page, 10).until(lambda b: stop.is_enabled() or _replies(b)[-1].find_elements(By.CLASS_NAME, "meta"))
+    WebDriverWait(page, 10).until(lambda b: _last_reply(b)["running"] or _last_reply(b)["meta"] is not None)
     seen_while_running, deadline = False, time.time() + 120
-    while time.time() < deadline and stop.is_enabled():
-        if _replies(page)[-1].find_element(By.CLASS_NAME, "text").text and stop.is_enabled():
-            seen_while_running = True
+    while time.time() < deadline:
+        now = _last_reply(page)
+        if not now["running"]:
+            break
+        seen_while_running |= bool(now["text"])
         time.sleep(0.02)
     first = _wait_reply_done(page)
     assert seen_while_running, "no text was shown while the reply streamed"
-    assert first.find_element(By.CLASS_NAME, "text").text.strip()
-    meta = first.find_element(By.CSS_SELECTOR, "[data-testid=reply-meta]")
-    assert "completion" in meta.text and "tokens/s" in meta.text and "TTFT" in meta.text
+    assert first["text"].strip()
+    assert "completion" in first["meta"] and "tokens/s" in first["meta"] and "TTFT" in first["meta"]
 
     _send(page, "And three animals?")
     second = _wait_reply_done(page)
-    cached = int(second.find_element(By.CSS_SELECTOR, "[data-testid=reply-meta]").get_attribute("data-cached"))
-    assert cached > 0, "the second turn should reuse the first turn's prefix"
+    assert second["cached"] > 0, "the second turn should reuse the first turn's prefix"
     assert not _severe_logs(page)
     os.makedirs(IMAGES, exist_ok=True)
     page.save_screenshot(os.path.join(IMAGES, "webui-chat.png"))
@@ -104,10 +122,9 @@ def test_stop_aborts_the_request_on_the_server(page, server):
     _set(page, "max_tokens", "3000")
     _set(page, "temperature", "0.8")
     _send(page, "Write a very long story about a lighthouse keeper.")
-    WebDriverWait(page, 60).until(lambda b: _replies(b)[-1].find_element(By.CLASS_NAME, "text").text)
+    WebDriverWait(page, 60).until(lambda b: _last_reply(b)["text"])
     page.find_element(By.ID, "stop").click()
-    reply = _wait_reply_done(page, 30)
-    assert "stopped" in reply.find_element(By.CSS_SELECTOR, "[data-testid=reply-meta]").text
+    assert "stopped" in _wait_reply_done(page, 30)["meta"]
     deadline, view = time.time() + 15, {}
     while time.time() < deadline:
         view = httpx.get(server.url + "/debug/dashboard", timeout=30).json()
@@ -162,10 +179,31 @@ def test_structured_output_is_shown_validated(page):
     _set(page, "constraint", "(yes|no)")
     _send(page, "Is bread made from flour? Answer yes or no.")
     reply = _wait_reply_done(page)
-    check = reply.find_element(By.CSS_SELECTOR, "[data-testid=validation]")
-    assert reply.find_element(By.CLASS_NAME, "text").text in ("yes", "no")
-    assert "matches the regex" in check.text
+    assert reply["text"] in ("yes", "no")
+    assert "matches the regex" in reply["check"]
     page.find_element(By.CSS_SELECTOR, "#format option[value=text]").click()
+
+
+def test_a_json_schema_reply_is_validated_and_tool_calls_are_shown(page):
+    schema = '{"type": "object", "properties": {"open": {"type": "boolean"}}, "required": ["open"]}'
+    page.find_element(By.CSS_SELECTOR, "#format option[value=json_schema]").click()
+    _set(page, "constraint", schema)
+    _send(page, "Is the bakery open on Sundays? Answer in JSON.")
+    reply = _wait_reply_done(page)
+    assert json.loads(reply["text"])["open"] in (True, False)
+    assert "valid against the schema" in reply["check"]
+    page.find_element(By.CSS_SELECTOR, "#format option[value=text]").click()
+
+    tool = {"type": "function", "function": {"name": "get_price", "description": "the price of a bread",
+                                             "parameters": {"type": "object", "properties": {"bread": {"type": "string"}},
+                                                            "required": ["bread"]}}}
+    _set(page, "tools", json.dumps([tool]))
+    page.find_element(By.CSS_SELECTOR, "#tool_choice option[value=required]").click()
+    _send(page, "How much is a baguette?")
+    calls = _wait_reply_done(page)["calls"]
+    name, _, arguments = calls.partition("(")
+    assert name == "get_price" and "bread" in json.loads(arguments.rstrip(")"))
+    page.find_element(By.ID, "tools").clear()
 
 
 def test_phone_width_fits_without_errors(server):

@@ -165,7 +165,7 @@ function requestBody(messages) {
     body.response_format = {type: "json_schema", json_schema: {name: "reply", schema: JSON.parse(constraint)}};
   if (format === "regex" && constraint) body.regex = constraint;
   const tools = $("tools").value.trim();
-  if (tools) body.tools = JSON.parse(tools);
+  if (tools) { body.tools = JSON.parse(tools); body.tool_choice = $("tool_choice").value; }
   return body;
 }
 
