@@ -17,7 +17,9 @@ fi
 # its WebDriver, installed where missing (needs root and the package registry).
 if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
     if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null \
+        # (a fresh machine may have no package lists yet: read them once, then try again)
+        { DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null; }; } \
             || echo "setup: could not install chromium and chromium-driver; the web page's browser tests need them" >&2
     else
         echo "setup: chromium and chromium-driver are missing; the web page's browser tests need them" >&2
