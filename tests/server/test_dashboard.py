@@ -70,7 +70,8 @@ def test_a_running_request_shows_in_the_queues_the_step_and_the_pages(server):
         deadline, view = time.time() + 60, {}
         while time.time() < deadline:
             view = _get(server, "/debug/dashboard")
-            if view["running_requests"] == 1 and view["tokens_per_s"] > 0:
+            # the first step seen may still be the request's prefill: wait for one of its decodes
+            if view["running_requests"] == 1 and (view["last_step"] or {}).get("decode_rows"):
                 break
             time.sleep(0.2)
         httpx.post(server.url + "/abort_request", json={"rid": "dash-long"}, timeout=30)
