@@ -14,6 +14,7 @@ ATTENTION_BACKENDS = ("torch", "triton")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 QUANT_GROUP_SIZES = (32, 64, 128, 256)
 GRAMMAR_BACKENDS = ("outlines", "llguidance", "xgrammar")
+SPECULATIVE_METHODS = ("off", "auto", "ngram", "radix")
 
 
 @dataclass
@@ -52,6 +53,16 @@ class ServerArgs:
     grammar_backend: str = field(default="xgrammar", metadata={
         "help": "the library that compiles constraints and fills their token masks: " + ", ".join(GRAMMAR_BACKENDS)
                 + " (ebnf grammars need xgrammar or llguidance; see benchmarks/README.md for the choice)"})
+    speculative: str = field(default="off", metadata={
+        "help": "speculative decoding: off; ngram (drafts from the request's own prompt and output), radix (from "
+                "everything the prefix cache holds), each on every step; or auto (both, on the steps where the "
+                "measured step cost and each request's acceptance rate say it pays: it switches itself off under load)"})
+    speculative_num_draft_tokens: int = field(default=8, metadata={
+        "help": "most tokens proposed for one request in one step"})
+    speculative_max_batch_size: int = field(default=8, metadata={
+        "help": "auto speculates only while at most this many requests decode: on 2 CPU cores a step's cost grows "
+                "with its tokens from about 8 rows on, and the measured costs are too noisy to find the small gains "
+                "left there (benchmarks/README.md)"})
     attention_backend: str = field(default="auto", metadata={"help": "torch or triton (auto: torch on CPU, triton on CUDA)"})
     linear_kernel: str = field(default="auto", metadata={
         "help": "the CPU matmul kernel: torch (F.linear, MKL), onednn, or auto (the faster on this CPU, timed at start)"})
@@ -94,6 +105,12 @@ class ServerArgs:
             raise ValueError(f"grammar_backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {self.grammar_backend!r}")
         if self.linear_kernel not in ("auto", "torch", "onednn"):
             raise ValueError(f"linear_kernel must be auto, torch or onednn, got {self.linear_kernel!r}")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.speculative!r}")
+        if self.speculative_max_batch_size < 1:
+            raise ValueError("speculative_max_batch_size must be >= 1")
+        if self.speculative_num_draft_tokens < 1:
+            raise ValueError("speculative_num_draft_tokens must be >= 1")
         if self.page_size < 0:
             raise ValueError("page_size must be >= 0")
         if self.max_running_requests < 1:

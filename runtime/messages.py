@@ -116,6 +116,10 @@ class TokenOutput:
     # how many earlier-reported output tokens new_token_ids replace: jump-forward re-encodes the
     # last tokens together with forced text (the text stays the same, the ids may change)
     replaced: int = 0
+    # speculative decoding, so far: verify passes, tokens proposed to them, proposals kept
+    spec_verify_ct: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     # prompt logprobs come once, with the first output after the prefill

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Sequence
 import torch
 
 from radixlm.runtime.cache.allocator import PageAllocator
+from radixlm.runtime.cache.continuations import TreeContinuations
 
 _BELOW = attrgetter("below")
 
@@ -22,7 +23,7 @@ _BELOW = attrgetter("below")
 class TreeNode:
     """One edge of the tree: `key` tokens whose KV lives in `value` slots (same length)."""
 
-    __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access", "below")
+    __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access", "below", "__weakref__")
 
     def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None,
                  lock_ref: int = 0, last_access: int = 0) -> None:
@@ -157,8 +158,11 @@ class RadixCache(PrefixCache):
     skipped on pop. The heap is rebuilt when stale entries outnumber the nodes.
     """
 
-    def __init__(self, allocator: PageAllocator) -> None:
+    def __init__(self, allocator: PageAllocator, continuations: TreeContinuations | None = None) -> None:
+        """`continuations`: an n-gram index of the cached tokens, kept as nodes are made
+        (speculative decoding's tree proposer)."""
         super().__init__(allocator)
+        self.continuations = continuations
         self._clock = itertools.count(1)  # logical time: ties and wall-clock jitter can't reorder LRU
         self._seq = itertools.count()  # heap tie-breaker so TreeNodes are never compared
         self._clear()
@@ -169,6 +173,8 @@ class RadixCache(PrefixCache):
         if values:
             self._free_slots(torch.cat(values))  # every value is whole pages
         self._clear()
+        if self.continuations is not None:
+            self.continuations.clear()
 
     def _clear(self) -> None:
         self.root = TreeNode([], torch.empty(0, dtype=torch.int64, device=self.allocator.device), None)
@@ -230,6 +236,8 @@ class RadixCache(PrefixCache):
             self._num_nodes += 1
             self._add_below(node, len(leaf.key))
             self._evictable += self._pages(leaf)
+            if self.continuations is not None:
+                self.continuations.add(leaf, pos)
             node = leaf
         self._touch(node)
         return pos

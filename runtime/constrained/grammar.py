@@ -304,11 +304,15 @@ def grammar_bitmask(rows: Sequence[Matcher | None], vocab_size: int) -> torch.Te
     if all(r is None for r in rows):
         return None
     mask = allocate_mask(len(rows), vocab_size)
+    fill_rows(mask, [(i, matcher) for i, matcher in enumerate(rows) if matcher is not None])
+    return mask
+
+
+def fill_rows(mask: torch.Tensor, rows: Sequence[tuple[int, Matcher]]) -> None:
+    """Each (row, matcher)'s allowed tokens into `mask[row]`, one call per matcher class."""
     by_class: dict[type, list[tuple[int, Matcher]]] = {}
-    for i, matcher in enumerate(rows):
-        if matcher is not None:
-            by_class.setdefault(type(matcher), []).append((i, matcher))
+    for i, matcher in rows:
+        by_class.setdefault(type(matcher), []).append((i, matcher))
     for cls, group in by_class.items():
         cls.fill_masks(group, mask)
-    return mask
 

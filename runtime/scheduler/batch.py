@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixlm.runtime.constrained.grammar import grammar_bitmask
+from radixlm.runtime.constrained.grammar import fill_rows, grammar_bitmask
 from radixlm.runtime.scheduler.kv_manager import KVManager
+from radixlm.runtime.token_mask import allocate_mask
 from radixlm.runtime.scheduler.req import Req
 from radixlm.runtime.utils import ragged_arange
 from radixlm.runtime.worker.forward_batch import ForwardMode, WorkerBatch
@@ -31,7 +32,8 @@ class ScheduledBatch:
     extend_lens: list[int]
     num_decode: int
     prefilling: set[int]  # id() of the rows that were not running: the chunked request and admissions
-    sampled: list[Req]  # requests that get a new token from this step, in sample-row order
+    sampled: list[Req]  # requests that get a new token from this step, in packed order
+    sample_counts: list[int]  # per sampled request, its sample rows: 1, or 1 + its drafts (a verify row)
     logprob_spans: list[tuple[Req, int, int]]  # (req, first prompt position, count) of prompt logprobs computed
     slotted: int = 0  # how many of `reqs` (in order) have been given KV slots for this step
     sampling: SamplingBatch | None = field(default=None, repr=False)
@@ -46,24 +48,26 @@ class ScheduledBatch:
 
 def make_batch(running: list[Req], prefill: list[Req], prefill_lens: list[int]) -> ScheduledBatch:
     """The step's batch: every running request with all its uncomputed tokens (one, or a jump's
-    forced text), and the prefill rows with the chunk each was given."""
-    rows = [(r, r.extend_len) for r in running] + list(zip(prefill, prefill_lens))
+    forced text) and its drafts (speculation.py), and the prefill rows with the chunk each was given."""
+    rows = [(r, r.extend_len + len(r.draft)) for r in running] + list(zip(prefill, prefill_lens))
     packed = [row for row in rows if row[1] == 1] + [row for row in rows if row[1] != 1]
     reqs = [r for r, _ in packed]
     lens = [n for _, n in packed]
     prefilling = {id(r) for r in prefill}
-    sampled, spans = [], []
+    sampled, counts, spans = [], [], []
     for req, n in packed:
         if id(req) not in prefilling:  # running: its tokens end the sequence, its prompt logprobs are done
             sampled.append(req)
+            counts.append(1 + len(req.draft))
             continue
         if req.cached_len + n == req.seq_len and req.params.max_new_tokens > 0:
             sampled.append(req)
+            counts.append(1)
         span = _logprob_span(req, n)
         if span is not None:
             spans.append(span)
     num_decode = sum(1 for n in lens if n == 1)
-    return ScheduledBatch(reqs, lens, num_decode, prefilling, sampled, spans)
+    return ScheduledBatch(reqs, lens, num_decode, prefilling, sampled, counts, spans)
 
 
 def _logprob_span(req: Req, n: int) -> tuple[Req, int, int] | None:
@@ -108,15 +112,47 @@ class PenaltyTracker:
 
 
 def sampling_batch(reqs: list[Req], eos_ids: list[int], vocab_size: int, device: torch.device,
-                   penalties: PenaltyTracker | None = None) -> SamplingBatch | None:
-    """The sampled rows' settings as tensors, with their constraints' allowed-token bitmask."""
+                   penalties: PenaltyTracker | None = None, sample_counts: list[int] | None = None) -> SamplingBatch | None:
+    """The sample rows' settings as tensors, with their constraints' allowed-token bitmask. A
+    request with drafts has 1 + len(draft) rows: row j is sampled as its step after the first j
+    drafts (that output length, seed step and min-tokens block, that constraint state)."""
     if not reqs:
         return None
-    counts = penalties.counts_for(reqs) if penalties is not None else None
-    batch = SamplingBatch.build([r.params for r in reqs], [r.prompt_ids for r in reqs], [r.output_ids for r in reqs],
-                                eos_ids, vocab_size, device, counts)
-    batch.grammar_mask = grammar_bitmask([r.guide for r in reqs], vocab_size)
+    if sample_counts is None or len(sample_counts) == sum(sample_counts):
+        counts = penalties.counts_for(reqs) if penalties is not None else None
+        batch = SamplingBatch.build([r.params for r in reqs], [r.prompt_ids for r in reqs],
+                                    [r.output_ids for r in reqs], eos_ids, vocab_size, device, counts)
+        batch.grammar_mask = grammar_bitmask([r.guide for r in reqs], vocab_size)
+        return batch
+    rows = [r for r, c in zip(reqs, sample_counts) for _ in range(c)]
+    ahead = [j for c in sample_counts for j in range(c)]  # drafts before each row
+    counts = penalties.counts_for(rows) if penalties is not None else None  # (no verify row has penalties)
+    batch = SamplingBatch.build([r.params for r in rows], [r.prompt_ids for r in rows], [r.output_ids for r in rows],
+                                eos_ids, vocab_size, device, counts,
+                                output_lens=[len(r.output_ids) + j for r, j in zip(rows, ahead)])
+    batch.grammar_mask = _draft_masks(reqs, sample_counts, vocab_size)
     return batch
+
+
+def _draft_masks(reqs: list[Req], sample_counts: list[int], vocab_size: int) -> torch.Tensor | None:
+    """Allowed-token bits of every sample row: a verify row's j-th from its constraint after its
+    first j drafts (the matcher walks them and rolls back), the others' as `grammar_bitmask`'s."""
+    if all(r.guide is None for r in reqs):
+        return None
+    at = [0]
+    for c in sample_counts:
+        at.append(at[-1] + c)
+    mask = allocate_mask(at[-1], vocab_size)
+    fill_rows(mask, [(at[i], r.guide) for i, (r, c) in enumerate(zip(reqs, sample_counts)) if r.guide is not None and c == 1])
+    for i, (req, c) in enumerate(zip(reqs, sample_counts)):
+        if req.guide is None or c == 1:
+            continue
+        for j in range(c):
+            req.guide.fill_mask(mask[at[i] + j : at[i] + j + 1])
+            if j < c - 1:
+                req.guide.advance(req.draft[j])
+        req.guide.rollback(c - 1)
+    return mask
 
 
 def to_worker_batch(b: ScheduledBatch, kv: KVManager, device: torch.device) -> WorkerBatch:
@@ -133,7 +169,9 @@ def to_worker_batch(b: ScheduledBatch, kv: KVManager, device: torch.device) -> W
         slot_parts.append(kv.decode_slots(rows[:d], prefix[:d], need_page, int(need_page.sum())))
         b.slotted = d
     for req, n in zip(b.reqs[d:], b.extend_lens[d:]):
-        ids.extend(req.tokens(req.cached_len, req.cached_len + n))
+        draft = [] if b.is_prefill(req) else req.draft
+        ids.extend(req.tokens(req.cached_len, req.cached_len + n - len(draft)))
+        ids.extend(draft)
         slot_parts.append(kv.extend_slots(req, n))
         b.slotted += 1
     if d == len(b.reqs):
@@ -157,10 +195,16 @@ def to_worker_batch(b: ScheduledBatch, kv: KVManager, device: torch.device) -> W
 
 
 def _last_rows(b: ScheduledBatch, ext: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Packed index of each sampled request's last new token (sampled keeps the packed order)."""
+    """Packed index of each sampled request's last new token, or of its last 1 + len(draft)
+    (sampled keeps the packed order)."""
     ends = torch.cumsum(ext, 0).tolist()
-    sampled = {id(r) for r in b.sampled}
-    return torch.tensor([e - 1 for r, e in zip(b.reqs, ends) if id(r) in sampled], dtype=torch.int64, device=device)
+    count = {id(r): c for r, c in zip(b.sampled, b.sample_counts)}
+    rows = []
+    for r, e in zip(b.reqs, ends):
+        c = count.get(id(r))
+        if c:
+            rows.extend(range(e - c, e))
+    return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
 def _prompt_logprob_inputs(b: ScheduledBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -82,7 +82,7 @@ class JumpForwarder:
             req.replaced += req.sent_len - start
             req.sent_len = start
         out[start:] = tokens
-        req.penalty_counted = -1  # outputs changed in place: its penalty counts are rebuilt
+        req.outputs_rewritten()
         return start
 
     def _since_eos(self, out: list[int]) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from radixlm.runtime.cache.allocator import PageAllocator
+from radixlm.runtime.cache.continuations import TreeContinuations
 from radixlm.runtime.cache.kv_pool import ReqToTokenTable
 from radixlm.runtime.cache.radix_cache import NoPrefixCache, PrefixCache, RadixCache
 from radixlm.runtime.scheduler.req import Req
@@ -19,12 +20,14 @@ class KVManager:
     or owned by a request with a row. `check_accounting()` proves it."""
 
     def __init__(self, num_pages: int, page_size: int, table: ReqToTokenTable, use_radix: bool,
-                 device: torch.device) -> None:
+                 device: torch.device, continuations: TreeContinuations | None = None) -> None:
+        """`continuations`: the n-gram index the radix tree keeps of its tokens (speculative decoding)."""
         self.page_size = page_size
         self.num_pages = num_pages
         self.table = table
         self.allocator = PageAllocator(num_pages, page_size, device)
-        self.cache: PrefixCache = RadixCache(self.allocator) if use_radix else NoPrefixCache(self.allocator)
+        self.cache: PrefixCache = (RadixCache(self.allocator, continuations) if use_radix
+                                   else NoPrefixCache(self.allocator))
         self._offsets = torch.arange(page_size, device=device)
 
     # ---- capacity ----------------------------------------------------------------------------

@@ -103,6 +103,7 @@ class SchedulerProcess:
                 "cached_tokens": (s.kv.cache.evictable_pages + s.kv.cache.locked_pages) * s.kv.page_size,
                 "num_retractions": s.num_retractions,
                 "context_length": s.context_length,
+                "speculative_stats": s.speculator.stats() if s.speculator is not None else None,
                 **s.worker.weights_info(),
             }
         if op == "check_accounting":

@@ -69,6 +69,18 @@ class Req:
         self.reasoning_end_ids = tr.reasoning_end_ids  # the guide waits for these (reasoning_gate.py)
         self.replaced = 0  # already reported output tokens that jump-forward re-encoded, to report
         self.penalty_counted = 0  # output tokens in its row of the kept penalty counts (-1: rebuild)
+        # speculative decoding (speculation.py)
+        self.draft: list[int] = []  # tokens proposed after its last one, checked by this step
+        self.spec_index: Any = None  # its n-gram index (cache/continuations.NgramIndex), made on first use
+        self.spec_acceptance: Any = None  # speculation.Acceptance, made on first use
+        self.spec_idle = 0  # steps since its last probe, while its proposals do not pay
+        self.spec_verify_ct = self.spec_proposed = self.spec_accepted = 0
+
+    def outputs_rewritten(self) -> None:
+        """Its output tokens changed in place (jump-forward re-encoded them): what was counted or
+        indexed from them is rebuilt."""
+        self.penalty_counted = -1
+        self.spec_index = None
 
     @property
     def prompt_len(self) -> int:

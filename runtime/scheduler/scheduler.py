@@ -21,6 +21,7 @@ from collections import deque
 from typing import Callable, NamedTuple
 
 from radixlm.runtime.args import ServerArgs
+from radixlm.runtime.cache.continuations import TreeContinuations
 from radixlm.runtime.constrained.backend import GrammarError
 from radixlm.runtime.constrained.grammar import GrammarCompiler, constraint_key
 from radixlm.runtime.constrained.reasoning_gate import ReasoningGate
@@ -33,6 +34,7 @@ from radixlm.runtime.scheduler.jump_forward import JumpForwarder
 from radixlm.runtime.scheduler.kv_manager import KVManager, pages_for
 from radixlm.runtime.scheduler.req import Finish, FinishKind, Req
 from radixlm.runtime.scheduler.retraction import make_room
+from radixlm.runtime.scheduler.speculation import Speculator, kept_prefix
 from radixlm.runtime.worker.model_worker import ModelWorker, WorkerOutput
 
 log = logging.getLogger(__name__)
@@ -72,8 +74,12 @@ class Scheduler:
         self.device = worker.device
         self.context_length = worker.context_length
         self.eos_ids = list(worker.config.eos_token_ids)
+        tree_index = TreeContinuations() if args.speculative in ("auto", "radix") else None
         self.kv = KVManager(worker.num_pages, worker.page_size, worker.req_to_token,
-                            not args.disable_radix_cache, worker.device)
+                            not args.disable_radix_cache, worker.device, tree_index)
+        self.speculator = (None if args.speculative == "off" else
+                           Speculator(args.speculative, args.speculative_num_draft_tokens, self.kv,
+                                      self.context_length, self.eos_ids, args.speculative_max_batch_size))
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # decoding
         self.chunked: Req | None = None  # mid-prefill between chunks
@@ -204,16 +210,22 @@ class Scheduler:
 
     def step(self) -> list[TokenOutput]:
         """Run one batch; returns the outputs of every request that advanced."""
+        started = time.perf_counter()  # (what a step costs, for speculation: choosing its drafts too)
         if self.pending:
             self._promote_compiled()
         batch = self._schedule()
         if batch is None:
             ended, self._ended = self._ended, []
             return ended
+        produced = sum(len(r.output_ids) for r in batch.sampled)
         outputs, _ = self._run(batch)
+        produced = sum(len(r.output_ids) for r in batch.sampled) - produced
+        if self.speculator is not None:
+            tokens = sum(batch.extend_lens)
+            self.speculator.observe_step(batch.num_decode < len(batch.reqs), tokens, time.perf_counter() - started)
         d = batch.num_decode
         self.recent_steps.append(StepRecord(time.monotonic(), d, len(batch.reqs) - d, sum(batch.extend_lens[d:]),
-                                            len(batch.sampled)))
+                                            produced))
         if self.args.debug_accounting:
             self.check_accounting()
         return outputs
@@ -227,7 +239,7 @@ class Scheduler:
         try:
             # sampling first, before any page is taken: a fault there has nothing to undo
             batch.sampling = sampling_batch(batch.sampled, self.eos_ids, self.worker.config.vocab_size, self.device,
-                                            self.penalties)
+                                            self.penalties, batch.sample_counts)
             worker_batch = to_worker_batch(batch, self.kv, self.device)
             doing = "running the model"
             try:
@@ -326,7 +338,19 @@ class Scheduler:
         if self.running:
             self.new_token_ratio = max(self.args.min_new_token_ratio,
                                        self.new_token_ratio - self.args.new_token_ratio_decay)
+            if self.speculator is not None:
+                self._speculate(admitted)
         return make_batch(self.running, admitted.reqs, admitted.lens)
+
+    def _speculate(self, admitted: Admitted) -> None:
+        """Drafts for the running requests (speculation.py), in the pages this step leaves spare
+        beyond one more token for each running request."""
+        kv = self.kv
+        need = sum(kv.pages_to_extend(r, r.extend_len) for r in self.running)
+        need += sum(kv.pages_to_extend(r, n) for r, n in zip(admitted.reqs, admitted.lens))
+        tokens = sum(r.extend_len for r in self.running) + sum(admitted.lens)
+        extend = bool(admitted.reqs) or any(r.extend_len > 1 for r in self.running)
+        self.speculator.plan(self.running, kv.available_pages - need - len(self.running), tokens, extend)
 
     def _admit(self) -> Admitted:
         budget = step_budget(self.args, self.kv, self.running, self.chunked, self.new_token_ratio)
@@ -342,6 +366,8 @@ class Scheduler:
 
     def _make_room(self) -> None:
         r = make_room(self.kv, self.running, self.chunked)
+        for req in r.retracted:
+            req.draft = []
         if r.retracted:
             if self.chunked in r.retracted:
                 self.chunked = None
@@ -360,11 +386,16 @@ class Scheduler:
                 self.kv.share_prefill(req)
         self._store_prompt_logprobs(b, out)
         faulted: dict[str, Finish] = {}  # requests whose own bookkeeping raised: they alone fail
-        for i, req in enumerate(b.sampled):
+        row = 0
+        for req, count in zip(b.sampled, b.sample_counts):
             try:
-                self._append_sampled(req, out, i)
+                if count == 1:
+                    self._append_sampled(req, out, row)
+                else:
+                    self._take_verified(req, out, row)
             except Exception:  # noqa: BLE001 - a bug in one request's constraint must not stop the rest
                 faulted[req.rid] = self._internal_error(req, "taking its sampled token")
+            row += count
         outputs, self._ended = self._ended, []
         for req in b.reqs:
             if req is self.chunked:
@@ -401,6 +432,19 @@ class Scheduler:
             if req.top_logprobs_num:
                 k = req.top_logprobs_num
                 req.output_top_logprobs.append(list(zip(out.top_logprobs[i][:k], out.top_logprob_ids[i][:k])))
+
+    def _take_verified(self, req: Req, out: WorkerOutput, row: int) -> None:
+        """A verify row's result (speculation.py): its drafts up to the first that differs from the
+        token sampled in its place, then the token sampled after them, taken one by one as
+        decoding would, so a stop ends it where it would have; the KV of what was not kept is freed."""
+        draft, req.draft = req.draft, []
+        kept = kept_prefix(draft, out.next_token_ids[row : row + len(draft)])
+        for j in range(kept + 1):
+            self._append_sampled(req, out, row + j)
+            if j < kept and self._check_finish(req) is not None:
+                break
+        self.kv.truncate(req, req.seq_len - 1)  # the last token's KV comes with the next step, as always
+        self.speculator.verified(req, len(draft), kept)
 
     def _internal_error(self, req: Req, doing: str) -> Finish:
         """How a request ends when our own code raised on it after a good forward pass: a 500
@@ -521,7 +565,8 @@ class Scheduler:
         out = TokenOutput(
             rid=req.rid, new_token_ids=new, prompt_tokens=req.prompt_len, completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens, finish_reason=req.finish.to_dict() if req.finish else None,
-            replaced=req.replaced,
+            replaced=req.replaced, spec_verify_ct=req.spec_verify_ct, spec_proposed_tokens=req.spec_proposed,
+            spec_accepted_tokens=req.spec_accepted,
         )
         req.replaced = 0
         if req.return_logprob:

@@ -35,7 +35,17 @@ class Metrics:
         self.token_usage = Gauge("radixlm_token_usage", "Share of the KV pool in use by running requests", registry=r)
         self.cache_hit_rate = Gauge("radixlm_cache_hit_rate", "Cached prompt tokens / prompt tokens, since start",
                                     registry=r)
+        self.spec_verify = Counter("radixlm_spec_verify_passes", "Speculative verify rows run (one per request and step)",
+                                   registry=r)
+        self.spec_proposed = Counter("radixlm_spec_proposed_tokens", "Draft tokens checked by speculative decoding",
+                                     registry=r)
+        self.spec_accepted = Counter("radixlm_spec_accepted_tokens", "Draft tokens kept", registry=r)
+        self.spec_accept_rate = Gauge("radixlm_spec_accept_rate", "Draft tokens kept / checked, since start", registry=r)
+        self.spec_tokens_per_verify = Gauge("radixlm_spec_tokens_per_verify",
+                                            "Tokens a verify row produces on average (kept drafts + 1), since start",
+                                            registry=r)
         self._prompt_total = self._cached_total = 0  # for the hit rate (counters cannot be read back publicly)
+        self._spec_totals = [0, 0, 0]  # verify rows, drafts checked, drafts kept
 
     def observe(self, out: ClientOutput) -> None:
         """Record a finished request."""
@@ -50,12 +60,25 @@ class Metrics:
         self.cached_tokens.inc(meta.get("cached_tokens", 0))
         self._prompt_total += prompt
         self._cached_total += meta.get("cached_tokens", 0)
+        if meta.get("spec_verify_ct"):
+            self._observe_speculation(meta["spec_verify_ct"], meta["spec_proposed_tokens"], meta["spec_accepted_tokens"])
         if "e2e_latency" in meta:
             self.e2e.observe(meta["e2e_latency"])
         if "time_to_first_token" in meta:
             self.ttft.observe(meta["time_to_first_token"])
             if completion > 1:
                 self.itl.observe((meta["e2e_latency"] - meta["time_to_first_token"]) / (completion - 1))
+
+    def _observe_speculation(self, verify: int, proposed: int, accepted: int) -> None:
+        self.spec_verify.inc(verify)
+        self.spec_proposed.inc(proposed)
+        self.spec_accepted.inc(accepted)
+        totals = self._spec_totals
+        totals[0] += verify
+        totals[1] += proposed
+        totals[2] += accepted
+        self.spec_accept_rate.set(totals[2] / totals[1] if totals[1] else 0.0)
+        self.spec_tokens_per_verify.set((totals[2] + totals[0]) / totals[0])
 
     @property
     def hit_rate(self) -> float:

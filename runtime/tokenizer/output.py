@@ -37,6 +37,7 @@ class RequestOutput:
         self.input_top_logprobs: list[Any] | None = None
         self.prompt_tokens = len(tr.input_ids)
         self.cached_tokens = 0
+        self.speculation = (0, 0, 0)  # (verify passes, drafts, drafts kept) so far
         self.finish_reason: dict[str, Any] | None = None
 
     def add(self, out: TokenOutput) -> None:
@@ -50,13 +51,18 @@ class RequestOutput:
             self.input_logprobs = [[lp, t] for lp, t in zip(out.input_logprobs, self.prompt_ids[start:])]
             self.input_top_logprobs = out.input_top_logprobs
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
+        self.speculation = (out.spec_verify_ct, out.spec_proposed_tokens, out.spec_accepted_tokens)
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
 
     def meta(self, reason: dict[str, Any] | None = None) -> dict[str, Any]:
         """meta_info's counts and finish reason (`reason`: instead of the scheduler's)."""
-        return {"id": self.rid, "prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.token_ids),
+        meta = {"id": self.rid, "prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.token_ids),
                 "cached_tokens": self.cached_tokens, "finish_reason": reason or self.finish_reason}
+        verify_ct, proposed, accepted = self.speculation
+        if verify_ct:  # speculative decoding ran on it: verify passes, drafts checked, drafts kept
+            meta.update(spec_verify_ct=verify_ct, spec_proposed_tokens=proposed, spec_accepted_tokens=accepted)
+        return meta
 
     def logprob_meta(self, since: int = 0) -> dict[str, Any]:
         """meta_info's logprob lists, the output's from output token `since` on (a stream's chunk);

@@ -95,11 +95,16 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device | str,
         counts: tuple[torch.Tensor, torch.Tensor] | None = None,
+        output_lens: Sequence[int] | None = None,
     ) -> SamplingBatch:
         """Gather row settings into tensors on ``device``; params must be validated. ``counts``:
         the rows' (seen, output counts) kept across steps (``PenaltyCounts.gather``), instead of
-        counting the ids here; rows without penalties may hold anything there."""
+        counting the ids here; rows without penalties may hold anything there. ``output_lens``:
+        the output length each row samples at (seed step, min-new-tokens), when not
+        ``len(output_ids)``: a speculative verify samples a request at several lengths."""
         assert len(params) == len(prompt_ids) == len(output_ids)
+        if output_lens is None:
+            output_lens = [len(ids) for ids in output_ids]
         greedy = [p.is_greedy or p.temperature < _MIN_TEMPERATURE for p in params]
         sampled = [p for p, g in zip(params, greedy) if not g]
         sampled_top_ks = [_top_k_or_all(p, vocab_size) for p in sampled]
@@ -107,7 +112,7 @@ class SamplingBatch:
                                                   counts[0] if counts else None)
         freq, pres, output_counts = _frequency_presence_tensors(params, output_ids, vocab_size, device,
                                                                 counts[1] if counts else None)
-        seeded_rows, step_seeds = _seed_tensors(params, greedy, output_ids, device)
+        seeded_rows, step_seeds = _seed_tensors(params, greedy, output_lens, device)
         return cls(
             temperatures=_column([1.0 if g else p.temperature for p, g in zip(params, greedy)], device),
             top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
@@ -128,7 +133,7 @@ class SamplingBatch:
             presence_penalties=pres,
             output_counts=output_counts,
             logit_bias=_logit_bias_tensor(params, vocab_size, device),
-            min_tokens_block=_min_tokens_block(params, output_ids, eos_token_ids, device),
+            min_tokens_block=_min_tokens_block(params, output_lens, eos_token_ids, device),
             seeded_rows=seeded_rows,
             step_seeds=step_seeds,
         )
@@ -334,7 +339,7 @@ def _top_k_or_all(p: SamplingParams, vocab_size: int) -> int:
 def _seed_tensors(
     params: Sequence[SamplingParams],
     greedy: Sequence[bool],
-    output_ids: Sequence[Sequence[int]],
+    output_lens: Sequence[int],
     device: torch.device | str,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(sampled rows with a seed, their step seeds); (None, None) when there are none."""
@@ -342,7 +347,7 @@ def _seed_tensors(
     if not rows:
         return None, None
     seeds = torch.tensor([_int64(params[i].seed) for i in rows], dtype=torch.int64, device=device)
-    steps = torch.tensor([len(output_ids[i]) for i in rows], dtype=torch.int64, device=device)
+    steps = torch.tensor([output_lens[i] for i in rows], dtype=torch.int64, device=device)
     # Output 0 of the stream keyed by (the seed's output 0) + step: (seed, step) pairs do not alias.
     step_seeds = mix64(mix64(seeds + _GAMMA) + steps + _GAMMA)
     return torch.tensor(rows, dtype=torch.int64, device=device), step_seeds
@@ -477,7 +482,7 @@ def _logit_bias_tensor(
 
 def _min_tokens_block(
     params: Sequence[SamplingParams],
-    output_ids: Sequence[Sequence[int]],
+    output_lens: Sequence[int],
     eos_token_ids: Sequence[int],
     device: torch.device | str,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -486,8 +491,8 @@ def _min_tokens_block(
     ``ignore_eos`` does not lift this: it only changes the stop check.
     """
     rows, cols = [], []
-    for i, (p, output) in enumerate(zip(params, output_ids)):
-        if len(output) < p.min_new_tokens:
+    for i, (p, produced) in enumerate(zip(params, output_lens)):
+        if produced < p.min_new_tokens:
             blocked = set(eos_token_ids) | set(p.stop_token_ids)
             rows.extend([i] * len(blocked))
             cols.extend(blocked)

@@ -124,3 +124,18 @@ def test_grammar_backends_quick():
     assert [(b, w) for b, w, _ in rows] == [(b, w) for b in ("outlines", "llguidance", "xgrammar")
                                             for w in ("json", "tools")], done.stdout
     assert all(float(v) > 0 for _, _, cols in rows for v in cols.strip(" |").split(" | ")[:3])  # compiles take time
+
+
+def test_speculative_quick():
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "speculative.py"), "--quick",
+                           "--methods", "ngram", "--workloads", "code editing,random 32 streams"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert re.search(r"^CPU: .+, \d+ cores", out, re.M) and "GB/s" in out
+    rows = re.findall(r"^\| (code editing|random 32 streams) \| (off|ngram) \| (\d+) \| ([\d.]+) \| ([\d.]+)x \| "
+                      r"(\d+) \| .+ \| (\d+)/(\d+) \|$", out, re.M)
+    assert [(r[0], r[1]) for r in rows] == [("code editing", "off"), ("code editing", "ngram"),
+                                            ("random 32 streams", "off"), ("random 32 streams", "ngram")]
+    assert int(rows[1][5]) > 0, "drafts were checked on the code edit"
+    assert all(int(r[2]) > 0 and float(r[3]) > 0 for r in rows)
