@@ -118,19 +118,16 @@ def sampling_batch(reqs: list[Req], eos_ids: list[int], vocab_size: int, device:
     drafts (that output length, seed step and min-tokens block, that constraint state)."""
     if not reqs:
         return None
-    if sample_counts is None or len(sample_counts) == sum(sample_counts):
-        counts = penalties.counts_for(reqs) if penalties is not None else None
-        batch = SamplingBatch.build([r.params for r in reqs], [r.prompt_ids for r in reqs],
-                                    [r.output_ids for r in reqs], eos_ids, vocab_size, device, counts)
-        batch.grammar_mask = grammar_bitmask([r.guide for r in reqs], vocab_size)
-        return batch
-    rows = [r for r, c in zip(reqs, sample_counts) for _ in range(c)]
-    ahead = [j for c in sample_counts for j in range(c)]  # drafts before each row
+    verifies = sample_counts is not None and len(sample_counts) < sum(sample_counts)
+    rows, lens = reqs, None
+    if verifies:
+        rows = [r for r, c in zip(reqs, sample_counts) for _ in range(c)]
+        lens = [len(r.output_ids) + j for r, c in zip(reqs, sample_counts) for j in range(c)]  # j drafts ahead
     counts = penalties.counts_for(rows) if penalties is not None else None  # (no verify row has penalties)
     batch = SamplingBatch.build([r.params for r in rows], [r.prompt_ids for r in rows], [r.output_ids for r in rows],
-                                eos_ids, vocab_size, device, counts,
-                                output_lens=[len(r.output_ids) + j for r, j in zip(rows, ahead)])
-    batch.grammar_mask = _draft_masks(reqs, sample_counts, vocab_size)
+                                eos_ids, vocab_size, device, counts, output_lens=lens)
+    batch.grammar_mask = (_draft_masks(reqs, sample_counts, vocab_size) if verifies
+                          else grammar_bitmask([r.guide for r in reqs], vocab_size))
     return batch
 
 
