@@ -69,7 +69,13 @@ def test_outputs_are_bitwise_those_of_plain_decoding(smol, plain, method):
     results = _run(engine, PROMPTS, params)
     assert _outcome(results) == plain
     stats = engine.scheduler.speculator.stats()
-    assert _kept(results) > 10 and stats["accepted_tokens"] <= stats["proposed_tokens"]
+    assert stats["accepted_tokens"] <= stats["proposed_tokens"]
+    if method == "auto":
+        # auto's choices follow this machine's measured step times (tests/unit/test_speculation.py
+        # tests them on given costs): here, that whatever it chose, the outputs are plain decoding's
+        assert engine.scheduler.speculator.costs.measured(False, len(PROMPTS))
+    else:
+        assert _kept(results) > 10
     for r in results:
         meta = r["meta_info"]
         if "spec_verify_ct" in meta:
