@@ -10,6 +10,10 @@ Greedy, so every method should write the same text; the table says where it did 
 --deterministic a verify row runs other kernels than a decode row, so a near-tie may flip).
 The ratio is tokens/s over `off` in the same run; acceptance is the drafts kept of those checked.
 
+`draft` is a draft model: there is no smaller model of SmolLM2's vocabulary on this machine, so it
+is SmolLM2's own first `--draft-layers` layers with its final norm and head (an early-exit
+draft; the served weights shared, no copy), given to the runtime as a draft model of its own.
+
     python benchmarks/speculative.py            # about 4 minutes on 2 cores
     python benchmarks/speculative.py --quick    # small sizes (CI: the script works)
 """
@@ -17,17 +21,22 @@ The ratio is tokens/s over `off` in the same run; acceptance is the drafts kept 
 from __future__ import annotations
 
 import argparse
+import copy
+import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.machine import measure  # noqa: E402
 from benchmarks.workloads import no_sharing  # noqa: E402
 from radixlm.runtime.local_engine import LocalEngine  # noqa: E402
 
-METHODS = ("off", "ngram", "radix", "auto")
+METHODS = ("off", "ngram", "radix", "auto", "draft")
 
 BIOS = [
     "Maria Lopez, 29, is a nurse at Saint Anne Hospital in Valencia. She speaks Spanish, English and Catalan, "
@@ -138,6 +147,25 @@ def run(workload: str, engine: LocalEngine, quick: bool) -> tuple[int, list[str]
     return sum(r["meta_info"]["completion_tokens"] for r in results), [str(r["output_ids"]) for r in results]
 
 
+def early_exit_draft(model: torch.nn.Module, layers: int, folder: str) -> tuple[str, torch.nn.Module]:
+    """The target's first `layers` layers, its final norm and head as a draft model: a checkpoint
+    folder with its config (the runtime reads the draft's shape from it) and the module, which
+    shares the target's served weights."""
+    cfg = model.cfg
+    config = {"architectures": [cfg.architecture], "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+              "intermediate_size": cfg.intermediate_size, "num_hidden_layers": layers,
+              "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+              "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+              "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
+              "bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids)}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    draft = copy.copy(model)  # a new module object whose children are the target's (the first layers only)
+    draft._modules = dict(model._modules)
+    draft.layers = torch.nn.ModuleList(model.layers[:layers])
+    return folder, draft
+
+
 WORKLOADS = ("json extraction", "code editing", "agent turns", "random 1 stream", "random 32 streams")
 
 
@@ -147,6 +175,7 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--num-draft-tokens", type=int, default=8, help="--speculative-num-draft-tokens")
+    ap.add_argument("--draft-layers", type=int, default=6, help="layers of the early-exit draft model")
     args = ap.parse_args()
     methods = args.methods.split(",")
     if methods[0] != "off":
@@ -156,12 +185,14 @@ def main() -> None:
     base = LocalEngine(max_running_requests=32)
     model, tokenizer = base.worker.model, base.tokenizer
     print(f"model: SmolLM2-135M-Instruct GGUF, served as {base.worker.quantization.method}; "
-          f"--speculative-num-draft-tokens {args.num_draft_tokens}")
+          f"--speculative-num-draft-tokens {args.num_draft_tokens}; draft: its first {args.draft_layers} layers")
+    draft_path, draft = early_exit_draft(model, args.draft_layers, tempfile.mkdtemp(prefix="radixlm-draft-"))
     rows: list[Row] = []
     for workload in args.workloads.split(","):
         for method in methods:
+            drafting = dict(speculative_draft_model=draft_path, draft_model=draft) if method == "draft" else {}
             engine = LocalEngine(model=model, tokenizer=tokenizer, max_running_requests=32, speculative=method,
-                                 speculative_num_draft_tokens=args.num_draft_tokens)
+                                 speculative_num_draft_tokens=args.num_draft_tokens, **drafting)
             engine.generate("Hello", {"max_new_tokens": 4})  # warm: the first step's one-time costs
             engine.flush_cache()
             start = time.perf_counter()

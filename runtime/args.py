@@ -14,7 +14,7 @@ ATTENTION_BACKENDS = ("torch", "triton")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 QUANT_GROUP_SIZES = (32, 64, 128, 256)
 GRAMMAR_BACKENDS = ("outlines", "llguidance", "xgrammar")
-SPECULATIVE_METHODS = ("off", "auto", "ngram", "radix")
+SPECULATIVE_METHODS = ("off", "auto", "ngram", "radix", "draft")
 
 
 @dataclass
@@ -56,7 +56,11 @@ class ServerArgs:
     speculative: str = field(default="off", metadata={
         "help": "speculative decoding: off; ngram (drafts from the request's own prompt and output), radix (from "
                 "everything the prefix cache holds), each on every step; or auto (both, on the steps where the "
-                "measured step cost and each request's acceptance rate say it pays: it switches itself off under load)"})
+                "measured step cost and each request's acceptance rate say it pays: it switches itself off under load); "
+                "draft (from a smaller model of the same tokenizer, --speculative-draft-model)"})
+    speculative_draft_model: str | None = field(default=None, metadata={
+        "help": "HF checkpoint directory or .gguf file of the draft model for --speculative draft (implies it): "
+                "a smaller model with the target's vocabulary, its KV in the target's pages"})
     speculative_num_draft_tokens: int = field(default=8, metadata={
         "help": "most tokens proposed for one request in one step"})
     speculative_max_batch_size: int = field(default=8, metadata={
@@ -107,6 +111,14 @@ class ServerArgs:
             raise ValueError(f"linear_kernel must be auto, torch or onednn, got {self.linear_kernel!r}")
         if self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.speculative!r}")
+        if self.speculative_draft_model is not None and self.speculative == "off":
+            self.speculative = "draft"
+        if (self.speculative == "draft") != (self.speculative_draft_model is not None):
+            raise ValueError("--speculative draft and --speculative-draft-model go together "
+                             f"(got --speculative {self.speculative} and --speculative-draft-model "
+                             f"{self.speculative_draft_model})")
+        if self.speculative == "draft" and self.tp_size > 1:
+            raise ValueError("--speculative-draft-model runs with --tp-size 1 only")
         if self.speculative_max_batch_size < 1:
             raise ValueError("speculative_max_batch_size must be >= 1")
         if self.speculative_num_draft_tokens < 1:

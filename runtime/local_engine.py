@@ -26,15 +26,15 @@ from radixlm.runtime.worker.model_worker import ModelWorker
 
 class LocalEngine(GenerateAPI):
     def __init__(self, model_path: str | None = None, *, tokenizer: Any = None, model: Any = None,
-                 **kwargs: Any) -> None:
-        """Options are ServerArgs fields. `tokenizer` / `model`: already-loaded ones to reuse
-        (tests and benchmarks build several engines over one copy of the weights)."""
+                 draft_model: Any = None, **kwargs: Any) -> None:
+        """Options are ServerArgs fields. `tokenizer` / `model` / `draft_model`: already-loaded ones
+        to reuse (tests and benchmarks build several engines over one copy of the weights)."""
         self.args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         self.source = resolve_model(self.args.model_path)
         if tokenizer is None and not self.args.skip_tokenizer_init:
             tokenizer = load_tokenizer(self.source, self.args.tokenizer_path)
         self.tokenizer = tokenizer
-        self.worker = ModelWorker(self.args, self.source, model=model)
+        self.worker = ModelWorker(self.args, self.source, model=model, draft_model=draft_model)
         grammar = None
         if tokenizer is not None:
             cfg = self.worker.config

@@ -18,6 +18,7 @@ from radixlm.runtime.scheduler.kv_manager import KVManager
 from radixlm.runtime.token_mask import allocate_mask
 from radixlm.runtime.scheduler.req import Req
 from radixlm.runtime.utils import ragged_arange
+from radixlm.runtime.worker.draft_model import DRAFT_PENDING
 from radixlm.runtime.worker.forward_batch import ForwardMode, WorkerBatch
 from radixlm.runtime.worker.sampler import PenaltyCounts, SamplingBatch
 
@@ -165,8 +166,11 @@ def to_worker_batch(b: ScheduledBatch, kv: KVManager, device: torch.device) -> W
         need_page = prefix[:d] % kv.page_size == 0
         slot_parts.append(kv.decode_slots(rows[:d], prefix[:d], need_page, int(need_page.sum())))
         b.slotted = d
-    for req, n in zip(b.reqs[d:], b.extend_lens[d:]):
+    drafted: list[tuple[int, int, int]] = []  # (batch row, packed index of its last token, k) per model-drafted row
+    for i, (req, n) in enumerate(zip(b.reqs[d:], b.extend_lens[d:]), start=d):
         draft = [] if b.is_prefill(req) else req.draft
+        if draft and draft[0] == DRAFT_PENDING:
+            drafted.append((i, len(ids) + n - len(draft) - 1, len(draft)))
         ids.extend(req.tokens(req.cached_len, req.cached_len + n - len(draft)))
         ids.extend(draft)
         slot_parts.append(kv.extend_slots(req, n))
@@ -188,6 +192,10 @@ def to_worker_batch(b: ScheduledBatch, kv: KVManager, device: torch.device) -> W
     )
     if b.logprob_spans:
         wb.prompt_rows, wb.prompt_targets = _prompt_logprob_inputs(b, device)
+    if drafted:
+        rows_, starts, wb.draft_lens = (list(t) for t in zip(*drafted))
+        wb.draft_rows = torch.tensor(rows_, dtype=torch.int64, device=device)
+        wb.draft_starts = torch.tensor(starts, dtype=torch.int64, device=device)
     return wb
 
 

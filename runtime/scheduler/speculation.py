@@ -13,7 +13,9 @@ proposal). The KV of rejected proposals is freed at once.
 
 Proposals cost no model: the continuation of the request's last n tokens in its own prompt and
 output (`ngram`), or in everything the radix tree holds, other requests' prompts and outputs
-included (`radix`); `auto` takes the longer match of the two.
+included (`radix`); `auto` takes the longer match of the two. Or they come from a smaller model
+(`draft`, worker/draft_model.py), made by the worker in the step that checks them: the scheduler
+gives the row k placeholders (`DRAFT_PENDING`) and learns the tokens from the step's output.
 
 Whether a step speculates (`auto`) is decided per step from what it would cost and gain: each
 request's recent acceptance rate sets how many proposals are worth checking, and measured step
@@ -29,6 +31,7 @@ from radixlm.runtime.args import SPECULATIVE_METHODS
 from radixlm.runtime.cache.continuations import NGRAM_SIZES, NgramIndex, TreeContinuations
 from radixlm.runtime.scheduler.kv_manager import KVManager
 from radixlm.runtime.scheduler.req import Req
+from radixlm.runtime.worker.draft_model import DRAFT_PENDING
 
 _WORTH = 0.25  # a proposal at depth j is checked while acceptance**j is at least this
 _MARGIN = 1.05  # auto speculates when it expects at least this many times the tokens per second
@@ -172,6 +175,8 @@ class Speculator:
         """The request's drafts if it may speculate now: as many as its acceptance makes worth checking."""
         if req.extend_len != 1 or req.params.uses_penalties:  # penalties would need per-draft counts
             return []
+        if self.method == "draft" and req.guide is not None:  # the draft model samples without masks
+            return []
         room = min(req.params.max_new_tokens - len(req.output_ids), self.context_length - req.seq_len) - 1
         limit = min(self.max_draft, room)
         if req.guide is not None:
@@ -180,7 +185,10 @@ class Speculator:
             return []
         if req.spec_acceptance is None:
             req.spec_acceptance = Acceptance(self.prior.rate)
-        k = limit if self.method != "auto" else req.spec_acceptance.depth(limit)
+        if self.method == "draft":  # each draft costs a pass of the draft model: as deep as it pays
+            k = max(1, req.spec_acceptance.depth(limit))
+        else:
+            k = limit if self.method != "auto" else req.spec_acceptance.depth(limit)
         if k == 0:  # not paying lately: a one-token probe now and then, to notice when it would again
             req.spec_idle += 1
             if req.spec_idle < _PROBE_EVERY:
@@ -192,6 +200,8 @@ class Speculator:
         return draft
 
     def _lookup(self, req: Req, k: int) -> list[int]:
+        if self.method == "draft":
+            return [DRAFT_PENDING] * k  # the worker's draft model fills them in
         own = tree = (0, [])
         if self.method in ("ngram", "auto"):
             if req.spec_index is None:

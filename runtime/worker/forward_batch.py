@@ -56,6 +56,10 @@ class WorkerBatch(StepTokens):
     top_logprobs_num: int = 0
     prompt_rows: torch.Tensor | None = None  # [P] packed-token indices whose next-token logprob is wanted
     prompt_targets: torch.Tensor | None = None  # [P] the token that follows each of them
+    # verify rows whose drafts the draft model makes in this step (draft_model.py):
+    draft_rows: torch.Tensor | None = None  # [D] their batch rows
+    draft_starts: torch.Tensor | None = None  # [D] packed index of each one's last real token
+    draft_lens: list[int] = field(default_factory=list)  # [D] the drafts each one gets
 
 
 @dataclass

@@ -11,9 +11,10 @@ import torch.distributed as dist
 
 from radixlm.runtime.args import ServerArgs
 from radixlm.runtime.cache.kv_pool import KVPool, ReqToTokenTable
-from radixlm.runtime.model_config import ModelConfig, ModelSource, load_config
+from radixlm.runtime.model_config import ModelConfig, ModelSource, load_config, resolve_model
 from radixlm.runtime.worker import gemm, quant
 from radixlm.runtime.worker.attention.base import AttentionBackend
+from radixlm.runtime.worker.draft_model import DraftModel
 from radixlm.runtime.worker.forward_batch import ForwardBatch, WorkerBatch
 from radixlm.runtime.worker.loader import iter_weights
 from radixlm.runtime.worker.models.llama import ARCHITECTURES
@@ -34,6 +35,7 @@ class WorkerOutput:
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top_logprobs: list[list[float]] = field(default_factory=list)
     prompt_top_logprob_ids: list[list[int]] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)  # the draft model's, per WorkerBatch.draft_rows
 
 
 def pick_device(name: str, tp: TPContext = SINGLE) -> torch.device:
@@ -55,9 +57,10 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class ModelWorker:
     def __init__(self, args: ServerArgs, source: ModelSource, tp: TPContext = SINGLE,
-                 model: torch.nn.Module | None = None) -> None:
-        """`model`: weights already loaded from `source` (tests and benchmarks share one copy
-        between workers of different cache layouts); loaded from `source` when None."""
+                 model: torch.nn.Module | None = None, draft_model: torch.nn.Module | None = None) -> None:
+        """`model`, `draft_model`: weights already loaded from `source` and from
+        `args.speculative_draft_model` (tests and benchmarks share one copy between workers of
+        different cache layouts); loaded from those paths when None."""
         self.args = args
         self.tp = tp
         self.device = pick_device(args.device, tp)
@@ -65,8 +68,15 @@ class ModelWorker:
         if args.num_threads > 0:
             torch.set_num_threads(args.num_threads)
         self.config: ModelConfig = load_config(source)
-        self.model = model if model is not None else self._load_model(source, tp)
-        self.quantization: quant.Summary = self._quantization()
+        self.model = model if model is not None else self._load_model(source, self.config, tp)
+        self.quantization: quant.Summary = self._quantization(self.model)
+        self.draft_config: ModelConfig | None = None
+        if args.speculative_draft_model is not None:
+            draft_source = resolve_model(args.speculative_draft_model)
+            self.draft_config = self._draft_config(draft_source)
+            if draft_model is None:
+                draft_model = self._load_model(draft_source, self.draft_config, tp)
+            self._quantization(draft_model)
         self.context_length = min(self.config.context_length, args.context_length or 1 << 62)
         self.page_size = args.page_size or (16 if self.device.type == "cuda" else 1)
         self.num_pages = self._pool_pages()
@@ -75,41 +85,50 @@ class ModelWorker:
             dist.all_reduce(agreed, dist.ReduceOp.MIN, group=tp.group)
             self.num_pages = int(agreed)
         cfg = self.config
-        self.kv_pool = KVPool(cfg.num_layers, self.num_pages * self.page_size, tp.kv_heads(cfg.num_kv_heads)[0],
-                              cfg.head_dim, self.dtype, self.device)
+        self.kv_pool = self._kv_pool(cfg)
         self.req_to_token = ReqToTokenTable(args.max_running_requests + 1, self.context_length + 1, self.device)
         self.attn_backend = self._attention_backend()
-        q = self.quantization
-        self.linear_mode = gemm.LinearMode(self._linear_kernel(), args.deterministic,
-                                           q.invariant_plan if args.deterministic else q.plan)
+        self.linear_mode = self._linear_mode(self.model)
+        self.draft: DraftModel | None = None
+        if draft_model is not None:
+            self.draft = DraftModel(draft_model, self._linear_mode(draft_model), self._kv_pool(self.draft_config),
+                                    self.attn_backend)
         self.sampler = Sampler()
         torch.manual_seed(args.random_seed)
 
     # ---- set-up ------------------------------------------------------------------------------
 
-    def _load_model(self, source: ModelSource, tp: TPContext) -> torch.nn.Module:
-        model_cls = ARCHITECTURES[self.config.architecture]
+    def _load_model(self, source: ModelSource, config: ModelConfig, tp: TPContext) -> torch.nn.Module:
+        model_cls = ARCHITECTURES[config.architecture]
         if self.args.load_format == "dummy":
             with torch.device(self.device):  # made where it runs: an 8B model never passes through host memory
-                model = model_cls(self.config, tp).to(self.dtype)
+                model = model_cls(config, tp).to(self.dtype)
             for name, param in model.named_parameters():  # small random weights, unit norms: finite activations
                 if name.endswith("norm.weight"):
                     param.data.fill_(1.0)
                 else:
                     param.data.normal_(0.0, 0.02)
             return model.eval()
-        model = model_cls(self.config, tp)
+        model = model_cls(config, tp)
         quant.mark_for_codes(model, self.args.quantization)
-        model.load_weights(iter_weights(source, self.config))
+        model.load_weights(iter_weights(source, config))
         return model.to(device=self.device, dtype=self.dtype).eval()
 
-    def _quantization(self) -> quant.Summary:
+    def _draft_config(self, source: ModelSource) -> ModelConfig:
+        """The draft model's config, once it is known to speak the target's vocabulary."""
+        draft = load_config(source)
+        if draft.vocab_size != self.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary has {draft.vocab_size} tokens, the target's "
+                             f"{self.config.vocab_size}: a draft model must share the target's tokenizer")
+        return draft
+
+    def _quantization(self, model: torch.nn.Module) -> quant.Summary:
         """Serve the weights as --quantization says (once per model: a model shared between workers
         keeps the first one's, which must be what this one asks for)."""
         asked = (self.args.quantization, self.args.quantization_group_size)
-        done: quant.Summary | None = getattr(self.model, "quantization", None)
+        done: quant.Summary | None = getattr(model, "quantization", None)
         if done is None:
-            done = quant.quantize_model(self.model, *asked, invariant_rows=gemm.INVARIANT_ROWS)
+            done = quant.quantize_model(model, *asked, invariant_rows=gemm.INVARIANT_ROWS)
             log.info("weights: %s, %.1f MB (%s)", done.method, done.weight_bytes / 1e6,
                      "; ".join(f"{k}: {v}" for k, v in done.formats.items()))
         elif done.requested != asked:
@@ -117,8 +136,13 @@ class ModelWorker:
                              f"(group {done.requested[1]}), not {asked[0]} (group {asked[1]})")
         return done
 
+    def _kv_pool(self, cfg: ModelConfig) -> KVPool:
+        return KVPool(cfg.num_layers, self.num_pages * self.page_size, self.tp.kv_heads(cfg.num_kv_heads)[0],
+                      cfg.head_dim, self.dtype, self.device)
+
     def _pool_pages(self) -> int:
-        per_token = KVPool.bytes_per_token(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, self.dtype)
+        models = [self.config] + ([self.draft_config] if self.draft_config is not None else [])
+        per_token = sum(KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype) for c in models)
         if self.args.max_total_tokens:
             tokens = self.args.max_total_tokens
         else:
@@ -136,14 +160,19 @@ class ModelWorker:
             raise ValueError(f"KV pool of {tokens} tokens is too small for page size {self.page_size}")
         return pages
 
-    def _linear_kernel(self) -> str:
+    def _linear_mode(self, model: torch.nn.Module) -> gemm.LinearMode:
+        q: quant.Summary = model.quantization
+        return gemm.LinearMode(self._linear_kernel(model), self.args.deterministic,
+                               q.invariant_plan if self.args.deterministic else q.plan)
+
+    def _linear_kernel(self, model: torch.nn.Module) -> str:
         name = self.args.linear_kernel
         if name != "auto":
             if name not in gemm.available(self.device):
                 raise ValueError(f"--linear-kernel {name} is not available on {self.device}")
             return name
-        layer = self.model.layers[0]  # one layer's matrices and the LM head: every shape the step runs
-        weights = [p for n, p in layer.named_parameters() if n.endswith("proj.weight")] + [self.model.lm_head.weight]
+        layer = model.layers[0]  # one layer's matrices and the LM head: every shape the step runs
+        weights = [p for n, p in layer.named_parameters() if n.endswith("proj.weight")] + [model.lm_head.weight]
         dense = [w for w in weights if isinstance(w, torch.Tensor)]  # quantized ones choose by quant.Plan
         return gemm.pick_kernel(dense, self.device) if dense else "torch"
 
@@ -173,8 +202,12 @@ class ModelWorker:
     def _forward(self, b: WorkerBatch) -> WorkerOutput:
         if self.tp.size > 1:
             send_batch(b, self.req_to_token.table, self.tp)
-        hidden = self._hidden(b)
         out = WorkerOutput(next_token_ids=[])
+        if self.draft is not None:  # its proposals first (into b.input_ids), then its KV of the step
+            if b.draft_rows is not None:
+                out.drafts = self.draft.propose(b, self.req_to_token)
+            self.draft.shadow(b, self.req_to_token)
+        hidden = self._hidden(b)
         if b.prompt_rows is not None and b.prompt_rows.numel():
             self._prompt_logprobs(hidden[b.prompt_rows], b, out)
         if b.sample_rows.numel():

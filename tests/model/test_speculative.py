@@ -115,6 +115,30 @@ def test_constrained_outputs_and_jump_forward(smol):
     assert _kept(spec) > 0
 
 
+def test_a_draft_model_gives_plain_decodings_outputs(smol, plain):
+    """SmolLM2 drafting for itself (its KV beside the target's in the same pages): under
+    --deterministic a draft step computes what the target's step computes, so a greedy request
+    keeps every draft, and every request's outputs are plain decoding's."""
+    engine = smol.engine_with(deterministic=True, speculative_draft_model=smol.path,
+                              draft_model=smol.engine.worker.model, debug_accounting=True)
+    results = _run(engine, PROMPTS, [_params(i) for i in range(len(PROMPTS))])
+    assert _outcome(results) == plain
+    greedy = results[0]["meta_info"]
+    assert greedy["spec_proposed_tokens"] > 10 and greedy["spec_accepted_tokens"] == greedy["spec_proposed_tokens"]
+    stats = engine.scheduler.speculator.stats()
+    assert stats["accepted_tokens"] < stats["proposed_tokens"]  # the sampled ones reject some greedy drafts
+
+
+def test_a_constrained_request_decodes_plainly_beside_a_draft_model(smol):
+    params = {"max_new_tokens": 30, "temperature": 0, "regex": "((yes|no), ){4}(yes|no)"}
+    base = _run(smol.engine_with(deterministic=True), ["Say yes or no, five times: "], params)
+    engine = smol.engine_with(deterministic=True, speculative_draft_model=smol.path,
+                              draft_model=smol.engine.worker.model, debug_accounting=True)
+    spec = _run(engine, ["Say yes or no, five times: "], params)
+    assert _outcome(spec) == _outcome(base)
+    assert not spec[0]["meta_info"].get("spec_verify_ct")
+
+
 def test_greedy_tokens_match_hf(smol):
     """Without --deterministic a verify row runs other kernels than a decode row: tokens may differ
     from HF only at certified near-ties, as plain decoding's may."""

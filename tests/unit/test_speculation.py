@@ -303,3 +303,31 @@ def test_metrics_count_verifies_and_kept_drafts():
     assert values["radixlm_spec_accepted_tokens_total"] == 20
     assert values["radixlm_spec_accept_rate"] == pytest.approx(0.5)
     assert values["radixlm_spec_tokens_per_verify"] == pytest.approx(3.0)  # (20 kept + 10 verifies) / 10
+
+
+def test_a_draft_model_gets_placeholders_as_deep_as_its_acceptance_pays():
+    """`draft`: the worker's draft model fills the placeholders; how many follows the request's
+    acceptance (each costs a pass of the draft model), at least one; none under a constraint."""
+    from radixlm.runtime.worker.draft_model import DRAFT_PENDING
+
+    spec = Speculator("draft", 8, _kv(), 4096, [2])
+    good, poor, bound = _req(_repetitive(0)), _req(_repetitive(1)), _req(_repetitive(2))
+    good.spec_acceptance, poor.spec_acceptance = Acceptance(0.9), Acceptance(0.1)
+    bound.guide = SimpleNamespace()  # a constrained request: the draft model samples without its mask
+    spec.plan([good, poor, bound], 100, 3, False)
+    assert good.draft == [DRAFT_PENDING] * Acceptance(0.9).depth(8) and len(good.draft) > 4
+    assert poor.draft == [DRAFT_PENDING]
+    assert bound.draft == []
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"speculative": "draft"}, "go together"),
+    ({"speculative": "ngram", "speculative_draft_model": "/m"}, "go together"),
+    ({"speculative_draft_model": "/m", "tp_size": 2}, "--tp-size 1 only"),
+])
+def test_draft_model_options_are_checked(kwargs, message):
+    from radixlm.runtime.args import ServerArgs
+
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(**kwargs)
+    assert ServerArgs(speculative_draft_model="/m").speculative == "draft"
