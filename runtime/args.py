@@ -46,6 +46,11 @@ class ServerArgs:
     max_prefill_tokens: int = field(default=16384, metadata={"help": "most tokens in one prefill batch"})
     schedule_policy: str = field(default="lpm", metadata={"help": "one of " + ", ".join(SCHEDULE_POLICIES)})
     disable_radix_cache: bool = field(default=False, metadata={"help": "no prefix sharing"})
+    kv_tier_path: str | None = field(default=None, metadata={
+        "help": "a folder for the KV cache's second tier: prefixes evicted from the pool are saved there and read "
+                "back when a prompt continues them, also after a restart on the same model (off when unset)"})
+    kv_tier_size: int = field(default=16 << 30, metadata={
+        "help": "bytes the --kv-tier-path folder may hold; least recently used blocks are deleted past it"})
     disable_jump_forward: bool = field(default=False, metadata={
         "help": "decode text a constraint forces token by token instead of appending it in one step"})
     constraint_timeout: float = field(default=30.0, metadata={
@@ -119,6 +124,13 @@ class ServerArgs:
                              f"{self.speculative_draft_model})")
         if self.speculative == "draft" and self.tp_size > 1:
             raise ValueError("--speculative-draft-model runs with --tp-size 1 only")
+        if self.kv_tier_path is not None:
+            if self.kv_tier_size <= 0:
+                raise ValueError("kv_tier_size must be > 0 bytes")
+            if self.disable_radix_cache:
+                raise ValueError("--kv-tier-path keeps what the radix cache evicts: not with --disable-radix-cache")
+            if self.tp_size > 1:
+                raise ValueError("--kv-tier-path runs with --tp-size 1 only")
         if self.speculative_max_batch_size < 1:
             raise ValueError("speculative_max_batch_size must be >= 1")
         if self.speculative_num_draft_tokens < 1:

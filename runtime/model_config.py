@@ -9,6 +9,7 @@ are local.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import json
 import os
@@ -169,6 +170,25 @@ def resolve_model(path: str | None) -> ModelSource:
     elif not path.endswith(".gguf"):
         raise ValueError(f"{path!r} is a file but not a .gguf file")
     return ModelSource(path)
+
+
+def weights_fingerprint(src: ModelSource, sample: int = 1 << 20) -> str:
+    """A short hash that tells one checkpoint's weights from another's without reading them all
+    (an 8B model would take seconds): each weight file's name, size and its first, middle and
+    last `sample` bytes."""
+    if src.is_gguf:
+        files = [src.path]
+    else:
+        files = sorted(os.path.join(src.path, f) for f in os.listdir(src.path) if f.endswith((".safetensors", ".bin")))
+    h = hashlib.blake2b(digest_size=16)
+    for path in files:
+        size = os.path.getsize(path)
+        h.update(f"{os.path.basename(path)}:{size}".encode())
+        with open(path, "rb") as f:
+            for at in (0, max(size // 2 - sample // 2, 0), max(size - sample, 0)):
+                f.seek(at)
+                h.update(f.read(sample))
+    return h.hexdigest()
 
 
 def load_config(src: ModelSource) -> ModelConfig:

@@ -29,6 +29,21 @@ class KVPool:
         self.k[layer][slots] = k
         self.v[layer][slots] = v
 
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """The K and V of `slots` in every layer, copied out: [2 * layers, kv_heads, len(slots),
+        head_dim], layer by layer, K then V (what `scatter` takes back)."""
+        return torch.stack([t[:, slots] for k, v in zip(self.k_heads, self.v_heads) for t in (k, v)])
+
+    def scatter(self, slots: torch.Tensor, data: torch.Tensor) -> None:
+        """Write `gather`'s layout (for as many tokens as `slots`) into `slots`."""
+        for i, (k, v) in enumerate(zip(self.k_heads, self.v_heads)):
+            k[:, slots] = data[2 * i]
+            v[:, slots] = data[2 * i + 1]
+
+    def token_shape(self) -> tuple[int, int, int]:
+        """`gather`'s shape but for the token axis: (2 * layers, kv_heads, head_dim)."""
+        return 2 * len(self.k_heads), self.k_heads[0].shape[0], self.k_heads[0].shape[2]
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8

@@ -10,7 +10,7 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from operator import attrgetter
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -158,11 +158,15 @@ class RadixCache(PrefixCache):
     skipped on pop. The heap is rebuilt when stale entries outnumber the nodes.
     """
 
-    def __init__(self, allocator: PageAllocator, continuations: TreeContinuations | None = None) -> None:
+    def __init__(self, allocator: PageAllocator, continuations: TreeContinuations | None = None,
+                 on_evict: Callable[[list[int], torch.Tensor, int], None] | None = None) -> None:
         """`continuations`: an n-gram index of the cached tokens, kept as nodes are made
-        (speculative decoding's tree proposer)."""
+        (speculative decoding's tree proposer). `on_evict(tokens, slots, start)`: called before
+        a leaf's pages are freed, with its whole path's tokens and slots and where the leaf's own
+        begin (the KV tier saves them)."""
         super().__init__(allocator)
         self.continuations = continuations
+        self.on_evict = on_evict
         self._clock = itertools.count(1)  # logical time: ties and wall-clock jitter can't reorder LRU
         self._seq = itertools.count()  # heap tie-breaker so TreeNodes are never compared
         self._clear()
@@ -322,6 +326,8 @@ class RadixCache(PrefixCache):
 
     def _remove_leaf(self, leaf: TreeNode) -> int:
         parent, pages = leaf.parent, self._pages(leaf)
+        if self.on_evict is not None:
+            self.on_evict(*self.path(leaf))
         self._free_slots(leaf.value)
         del parent.children[self._page_key(leaf.key, 0)]
         leaf.parent = None  # marks it evicted: stale heap entries and locks see it
@@ -347,6 +353,24 @@ class RadixCache(PrefixCache):
         heapq.heapify(self._heap)
 
     # ---- helpers and checks ------------------------------------------------
+
+    def path(self, node: TreeNode) -> tuple[list[int], torch.Tensor, int]:
+        """The tokens and slots from the root to the end of `node`, and where `node`'s own begin."""
+        keys, values = [], []
+        walker = node
+        while walker is not self.root:
+            keys.append(walker.key)
+            values.append(walker.value)
+            walker = walker.parent
+        tokens = [t for key in reversed(keys) for t in key]
+        return tokens, torch.cat(values[::-1]), len(tokens) - len(node.key)
+
+    def save_all(self) -> None:
+        """Hand every cached node to `on_evict` without evicting it (a shutdown's last save)."""
+        # NOTE: every node, not only leaves: a node's blocks are those that end inside it
+        if self.on_evict is not None:
+            for node in self._nodes():
+                self.on_evict(*self.path(node))
 
     def _page_key(self, key: list[int], pos: int) -> int | tuple[int, ...]:
         return key[pos] if self.page_size == 1 else tuple(key[pos : pos + self.page_size])

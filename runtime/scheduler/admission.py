@@ -142,6 +142,8 @@ def _try_admit(kv: KVManager, req: Req, budget: Budget, first: bool, alone: bool
     if need > budget.pages or n == 0:
         kv.undo_admit(req)
         return 0, need <= budget.pages
+    if kv.load_from_tier(req):  # read back in pages `need` counted: less to prefill
+        n = _chunk_len(req, budget, first)
     budget.take(n, need)
     return n, True
 

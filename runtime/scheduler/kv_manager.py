@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from radixlm.runtime.cache.allocator import PageAllocator
 from radixlm.runtime.cache.continuations import TreeContinuations
 from radixlm.runtime.cache.kv_pool import ReqToTokenTable
+from radixlm.runtime.cache.kv_tier import KVTier
 from radixlm.runtime.cache.radix_cache import NoPrefixCache, PrefixCache, RadixCache
 from radixlm.runtime.scheduler.req import Req
+
+
+log = logging.getLogger(__name__)
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -20,13 +27,17 @@ class KVManager:
     or owned by a request with a row. `check_accounting()` proves it."""
 
     def __init__(self, num_pages: int, page_size: int, table: ReqToTokenTable, use_radix: bool,
-                 device: torch.device, continuations: TreeContinuations | None = None) -> None:
-        """`continuations`: the n-gram index the radix tree keeps of its tokens (speculative decoding)."""
+                 device: torch.device, continuations: TreeContinuations | None = None,
+                 tier: KVTier | None = None) -> None:
+        """`continuations`: the n-gram index the radix tree keeps of its tokens (speculative decoding).
+        `tier`: the second tier (kv_tier.py): evicted prefixes are saved there, and admission
+        reads a prompt's continuation past the tree's match back (`load_from_tier`)."""
         self.page_size = page_size
         self.num_pages = num_pages
         self.table = table
+        self.tier = tier
         self.allocator = PageAllocator(num_pages, page_size, device)
-        self.cache: PrefixCache = (RadixCache(self.allocator, continuations) if use_radix
+        self.cache: PrefixCache = (RadixCache(self.allocator, continuations, tier.save if tier else None) if use_radix
                                    else NoPrefixCache(self.allocator))
         self._offsets = torch.arange(page_size, device=device)
 
@@ -61,6 +72,29 @@ class KVManager:
         self.cache.lock(m.node)
         if req.prefix_len:
             self.table.table[req.row, : req.prefix_len] = m.slots
+
+    def load_from_tier(self, req: Req) -> int:
+        """After `admit`: the tier's blocks that continue the request's cached prefix, read into
+        pages of its own as if it had prefilled them (admission counted those pages with its
+        prompt's); the tree takes them after the step like any prefill. Returns the tokens loaded."""
+        tier = self.tier
+        limit = self._match_limit(req)
+        if tier is None or limit // tier.block_tokens * tier.block_tokens <= req.cached_len:
+            return 0
+        started = time.perf_counter()
+        blocks = tier.load(req.tokens(0, limit), req.cached_len)
+        if not blocks:
+            return 0
+        start, B = req.cached_len, tier.block_tokens
+        end = (start // B + len(blocks)) * B
+        tier.scatter(self.extend_slots(req, end - start), blocks, start - start // B * B)
+        req.cached_len = end
+        req.cached_tokens += end - start
+        stats = tier.store.stats
+        stats.hits += 1
+        stats.tokens_loaded += end - start
+        stats.load_seconds += time.perf_counter() - started
+        return end - start
 
     def undo_admit(self, req: Req) -> None:
         """Back out of `admit` for a request that turned out not to fit."""
@@ -152,6 +186,18 @@ class KVManager:
             f"= {total} != pool {self.num_pages}"
         )
         self.cache.check_invariants()
+        if self.tier is not None:
+            self.tier.store.check()
 
     def flush(self) -> None:
         self.cache.reset()
+
+    def shutdown(self) -> None:
+        """Save what the tree holds to the tier (a restarted server finds it there) and wait for
+        the writes."""
+        if self.tier is not None:
+            try:
+                self.cache.save_all()
+            except Exception:  # noqa: BLE001 - a shutdown interrupted mid-change: what was queued is kept
+                log.exception("KV tier: saving the cache at shutdown failed")
+            self.tier.store.close()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import uuid
 
 import zmq
@@ -16,6 +17,10 @@ from radixlm.runtime.sampling_params import SamplingParamsError
 from radixlm.runtime.scheduler.scheduler import DeviceLost, RequestError, Scheduler
 
 log = logging.getLogger("radixlm.scheduler")
+
+
+class _Stop(Exception):
+    """SIGTERM arrived outside a step."""
 
 
 class SchedulerProcess:
@@ -37,6 +42,15 @@ class SchedulerProcess:
         self.ctx = zmq.Context()
         self.inbox = ipc.socket(self.ctx, zmq.PULL, recv_from, bind=False)
         self.outbox = ipc.socket(self.ctx, zmq.PUSH, send_to, bind=False)
+        self._stepping = self._stopping = False
+        signal.signal(signal.SIGTERM, self._on_terminate)
+
+    def _on_terminate(self, signum: int, frame: object) -> None:
+        """The parent stops the runtime: leave the loop between steps, never inside one, so that
+        the shutdown (the KV tier's last save) reads a consistent tree."""
+        self._stopping = True
+        if not self._stepping:
+            raise _Stop
 
     def ready_info(self) -> dict:
         """What the parent learns when this process is ready (launch.run_child sends it)."""
@@ -47,16 +61,26 @@ class SchedulerProcess:
                 "device": str(w.device)}
 
     def run_forever(self) -> None:
+        try:
+            self._loop()
+        except _Stop:
+            pass
+        self.scheduler.shutdown()
+
+    def _loop(self) -> None:
         s = self.scheduler
-        while True:
+        while not self._stopping:
             self._receive(block=not s.has_runnable_work)
             if s.has_work:
+                self._stepping = True
                 try:
                     outputs = s.step()
                 except DeviceLost as e:
                     self._send(s.fail_all(str(e)))
                     log.critical("%s; the scheduler exits so that the server stops", e, exc_info=e)
                     raise SystemExit(1) from None
+                finally:
+                    self._stepping = False
                 self._send(outputs)
 
     def _receive(self, block: bool) -> None:
@@ -104,6 +128,7 @@ class SchedulerProcess:
                 "num_retractions": s.num_retractions,
                 "context_length": s.context_length,
                 "speculative_stats": s.speculator.stats() if s.speculator is not None else None,
+                "kv_tier": s.kv.tier.store.info() if s.kv.tier is not None else None,
                 **s.worker.weights_info(),
             }
         if op == "check_accounting":

@@ -13,6 +13,7 @@ scheduler does no I/O: `add_request`, `abort` and `step` are its API.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import select
 import time
@@ -22,6 +23,7 @@ from typing import Callable, NamedTuple
 
 from radixlm.runtime.args import ServerArgs
 from radixlm.runtime.cache.continuations import TreeContinuations
+from radixlm.runtime.cache.kv_tier import BLOCK_TOKENS, FileTier, KVTier
 from radixlm.runtime.constrained.backend import GrammarError
 from radixlm.runtime.constrained.grammar import GrammarCompiler, constraint_key
 from radixlm.runtime.constrained.reasoning_gate import ReasoningGate
@@ -61,6 +63,16 @@ class DeviceLost(RuntimeError):
     process must end so that the server stops instead of failing every request from now on."""
 
 
+def _kv_tier(args: ServerArgs, worker: ModelWorker) -> KVTier | None:
+    """The second tier under the prefix cache (`--kv-tier-path`): blocks of a whole number of
+    pages, in a folder named by what the KV depends on."""
+    if args.kv_tier_path is None:
+        return None
+    block = math.lcm(BLOCK_TOKENS, worker.page_size)
+    store = FileTier(args.kv_tier_path, f"{worker.kv_identity()};block={block}", args.kv_tier_size)
+    return KVTier(store, worker.kv_pools, block)
+
+
 class Scheduler:
     def __init__(self, args: ServerArgs, worker: ModelWorker, decode: Callable[[list[int]], str] | None = None,
                  grammar: Callable[[], GrammarCompiler] | None = None) -> None:
@@ -77,7 +89,7 @@ class Scheduler:
         self.eos_ids = list(worker.config.eos_token_ids)
         tree_index = TreeContinuations() if args.speculative in ("auto", "radix") else None
         self.kv = KVManager(worker.num_pages, worker.page_size, worker.req_to_token,
-                            not args.disable_radix_cache, worker.device, tree_index)
+                            not args.disable_radix_cache, worker.device, tree_index, _kv_tier(args, worker))
         self.speculator = (None if args.speculative == "off" else
                            Speculator(args.speculative, args.speculative_num_draft_tokens, self.kv,
                                       self.context_length, self.eos_ids, args.speculative_max_batch_size))
@@ -312,6 +324,7 @@ class Scheduler:
     def shutdown(self) -> None:
         if self._grammar is not None:
             self._grammar.shutdown()
+        self.kv.shutdown()
 
     def check_accounting(self) -> None:
         self.kv.check_accounting(self._reqs_with_rows())

@@ -15,6 +15,14 @@ from radixlm.runtime.messages import ClientOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_TIER_GAUGES = {  # --kv-tier-path: kv_tier.FileTier.info()'s fields
+    "bytes": "Bytes the KV tier's folder holds", "blocks": "Blocks the KV tier holds",
+    "hits": "Requests that read KV from the tier, since start",
+    "tokens_loaded": "Prompt tokens whose KV was read from the tier instead of prefilled, since start",
+    "bytes_read": "Bytes read from the KV tier, since start", "bytes_written": "Bytes written to the KV tier, since start",
+    "load_seconds": "Seconds spent reading KV from the tier into the pool, since start",
+    "corrupt_skipped": "Tier files that failed their checks when read (deleted, never used), since start",
+}
 
 
 class Metrics:
@@ -44,6 +52,8 @@ class Metrics:
         self.spec_tokens_per_verify = Gauge("radixlm_spec_tokens_per_verify",
                                             "Tokens a verify row produces on average (kept drafts + 1), since start",
                                             registry=r)
+        # the KV tier's totals since start, read from the scheduler at scrape time
+        self.tier = {name: Gauge(f"radixlm_kv_tier_{name}", text, registry=r) for name, text in _TIER_GAUGES.items()}
         self._prompt_total = self._cached_total = 0  # for the hit rate (counters cannot be read back publicly)
         self._spec_totals = [0, 0, 0]  # verify rows, drafts checked, drafts kept
 
@@ -92,4 +102,7 @@ class Metrics:
         used = pool - scheduler_info.get("free_tokens", pool) - scheduler_info.get("cached_tokens", 0)
         self.token_usage.set(max(used, 0) / pool)
         self.cache_hit_rate.set(self.hit_rate)
+        tier = scheduler_info.get("kv_tier") or {}
+        for name, gauge in self.tier.items():
+            gauge.set(tier.get(name, 0))
         return generate_latest(self.registry)

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from radixlm.runtime.args import ServerArgs
 from radixlm.runtime.cache.kv_pool import KVPool, ReqToTokenTable
-from radixlm.runtime.model_config import ModelConfig, ModelSource, load_config, resolve_model
+from radixlm.runtime.model_config import ModelConfig, ModelSource, load_config, resolve_model, weights_fingerprint
 from radixlm.runtime.worker import gemm, quant
 from radixlm.runtime.worker.attention.base import AttentionBackend
 from radixlm.runtime.worker.draft_model import DraftModel
@@ -67,6 +68,7 @@ class ModelWorker:
         self.dtype = pick_dtype(args.dtype, self.device)
         if args.num_threads > 0:
             torch.set_num_threads(args.num_threads)
+        self.source = source
         self.config: ModelConfig = load_config(source)
         self.model = model if model is not None else self._load_model(source, self.config, tp)
         self.quantization: quant.Summary = self._quantization(self.model)
@@ -220,6 +222,22 @@ class ModelWorker:
                 out.top_logprobs = s.top_logprobs.tolist()
                 out.top_logprob_ids = s.top_logprob_ids.tolist()
         return out
+
+    @property
+    def kv_pools(self) -> list[KVPool]:
+        """Every pool a token's KV lives in: the model's, then the draft model's."""
+        return [self.kv_pool] + ([self.draft.kv_pool] if self.draft is not None else [])
+
+    def kv_identity(self) -> str:
+        """What a token's KV depends on besides its prefix: the weights (and the draft model's),
+        how they are served, the dtype, the page size and the kernels' mode. KV saved under one
+        identity is only ever read under the same one."""
+        if self.args.load_format == "dummy":  # random weights: never the same twice
+            return f"dummy:{os.urandom(16).hex()}"
+        models = [self.source] + ([resolve_model(self.args.speculative_draft_model)] if self.draft else [])
+        return json.dumps({"weights": [weights_fingerprint(m) for m in models], "config": asdict(self.config),
+                           "dtype": str(self.dtype), "quantization": [self.quantization.method, self.quantization.formats],
+                           "page_size": self.page_size, "deterministic": self.args.deterministic}, sort_keys=True)
 
     def weights_info(self) -> dict:
         """How the weights are served and the bytes they hold now (this rank's share), kernels'
