@@ -134,6 +134,9 @@ class FileTier:
             with open(path, "rb") as f:
                 data = bytearray(os.fstat(f.fileno()).st_size)
                 f.readinto(data)
+        except FileNotFoundError:  # deleted meanwhile to make room (or by hand): simply absent
+            self._forget(key)
+            return None
         except OSError:
             data = bytearray()
         if not self._valid(key, data):

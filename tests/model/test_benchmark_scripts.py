@@ -139,3 +139,14 @@ def test_speculative_quick():
                                             ("random 32 streams", "off"), ("random 32 streams", "ngram")]
     assert int(rows[1][5]) > 0, "drafts were checked on the code edit"
     assert all(int(r[2]) > 0 and float(r[3]) > 0 for r in rows)
+
+
+def test_kv_tier_quick():
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kv_tier.py"), "--quick"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = dict(re.findall(r"^\| (without the tier|with the tier) \| (.+) \|$", done.stdout, re.M))
+    assert set(rows) == {"without the tier", "with the tier"}, done.stdout
+    cached = {name: int(cells.split(" | ")[3]) for name, cells in rows.items()}
+    assert cached["with the tier"] > cached["without the tier"], cached  # the restart and evictions cost it nothing
+    assert re.search(r"^tier: [1-9]\d* turns read [1-9]\d* tokens back", done.stdout, re.M), done.stdout

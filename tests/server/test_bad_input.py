@@ -130,7 +130,7 @@ def test_wrong_method_and_unknown_path(server):
 
 
 def test_an_exploding_regex_hits_the_compile_time_limit_alone(server):
-    """The server runs with --constraint-timeout 10: the compile is stopped, the request gets a 400,
+    """The server runs with --constraint-timeout 20: the compile is stopped, the request gets a 400,
     and a plain request sent meanwhile is not held up."""
     body = {"text": "hi", "sampling_params": {"regex": "(a|b)*a(a|b){40}", "max_new_tokens": 2}}
     with httpx.Client(timeout=60) as c:
@@ -142,8 +142,8 @@ def test_an_exploding_regex_hits_the_compile_time_limit_alone(server):
         plain = c.post(server.url + "/generate", json={"text": "ok", "sampling_params": {"max_new_tokens": 2}})
         assert plain.status_code == 200 and not slow.done()
         r = slow.result()
-    assert r.status_code == 400 and "more than 10s" in r.json()["error"]["message"], r.text
-    assert time.monotonic() - started < 30
+    assert r.status_code == 400 and "more than 20s" in r.json()["error"]["message"], r.text
+    assert time.monotonic() - started < 45
 
 
 @pytest.mark.parametrize("stream", [False, True])

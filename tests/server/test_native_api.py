@@ -138,7 +138,9 @@ def test_streamed_logprobs_accumulate(server):
     last = sse_events(server, {**body, "stream": True})[-1]["meta_info"]
     streamed, once = last["output_token_logprobs"], whole["output_token_logprobs"]
     assert len(streamed) == 8 and [e[1] for e in streamed] == [e[1] for e in once]
-    assert [e[0] for e in streamed] == pytest.approx([e[0] for e in once], abs=1e-5)
+    # the second run's prompt comes from the cache: its last token computed alone, in another GEMM
+    # shape, so the logprobs agree to the oracle's stated tolerance, not to the bit
+    assert [e[0] for e in streamed] == pytest.approx([e[0] for e in once], abs=LOGPROB_TOL)
     assert [[t[1] for t in top] for top in last["output_top_logprobs"]] == [
         [t[1] for t in top] for top in whole["output_top_logprobs"]]
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixlm.runtime.args import GRAMMAR_BACKENDS
@@ -74,6 +74,7 @@ def test_tags_cut_at_every_position(thinking):
 PIECES = ["<think>", "</think>", "<", "</", "<th", "</thi", "think>", "a", "b", " ", "\n", ">"]
 
 
+@settings(max_examples=2000)  # of texts of at most 12 pieces: the CI profile's 10,000 cost 40 s
 @given(st.lists(st.sampled_from(PIECES), max_size=12).map("".join), st.lists(st.integers(0, 80), max_size=6),
        st.booleans())
 def test_stream_equals_whole(text, cuts, thinking):
@@ -191,6 +192,7 @@ def test_gate_matches_an_end_tag_of_several_tokens(matcher):
     assert gate.open and allowed(gate) == {1, 2, 3}
 
 
+@settings(max_examples=2000)  # 3 tokens, at most 12 of them: far fewer cases than the CI profile's 10,000
 @given(st.lists(st.sampled_from([60, 61, 1]), max_size=12), st.sampled_from([(60, 61), (60, 60, 61), (61,)]))
 def test_gate_opens_right_after_the_first_end_tag(tokens, end):
     gate = ReasoningGate(_Any(), end)

@@ -5,22 +5,28 @@ read back through the request's row of the req-to-token table, as attention woul
 is the last KV mod the vocabulary. A slot handed to the wrong request or reused while still
 referenced, a prefix matched wrongly, a retraction or a chunk that loses a token: each changes the
 chain, and so the output. The oracle computes every request's tokens directly from its prompt.
+With a KV tier drawn, evicted prefixes are saved as the chain values they hold and read back
+into new slots: one read back under the wrong prefix breaks the chain the same way.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from dataclasses import dataclass
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
-from hypothesis import event, given, settings
+from hypothesis import event, given, settings, target
 from hypothesis import strategies as st
 
 from radixlm.runtime.args import SCHEDULE_POLICIES, ServerArgs
 from radixlm.runtime.cache.kv_pool import ReqToTokenTable
 from radixlm.runtime.messages import TokenizedRequest
 from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.scheduler import scheduler as scheduler_module
 from radixlm.runtime.scheduler.scheduler import Scheduler
 from radixlm.runtime.worker.model_worker import WorkerOutput
 
@@ -40,6 +46,10 @@ class EchoWorker:
         self.req_to_token = ReqToTokenTable(max_running + 1, CONTEXT + 1, self.device)
         self.kv = [(-1, -1)] * (num_pages * page_size)  # slot -> (chain value, token)
         self.broken: list[str] = []  # contexts found inconsistent, as attention would read them
+        self.kv_pools = [ListPool(self.kv)]  # what a KV tier saves and loads
+
+    def kv_identity(self) -> str:
+        return f"echo, page {self.page_size}"
 
     def forward(self, b) -> WorkerOutput:
         table = self.req_to_token.table
@@ -63,6 +73,27 @@ class EchoWorker:
                     break
             next_ids.append(context[-1][0] % VOCAB)
         return WorkerOutput(next_token_ids=next_ids)
+
+
+class ListPool:
+    """EchoWorker's slots as a KV pool for the tier: per slot its chain value and its token, as
+    one layer's K and V of one head of dimension 1 (float64: exact for these integers)."""
+
+    k_heads = [torch.zeros(1, 1, 1, dtype=torch.float64)]
+
+    def __init__(self, kv: list[tuple[int, int]]) -> None:
+        self.kv = kv
+
+    def token_shape(self) -> tuple[int, int, int]:
+        return 2, 1, 1
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        pairs = [self.kv[s] for s in slots.tolist()]
+        return torch.tensor([[[[kv] for kv, _ in pairs]], [[[t] for _, t in pairs]]], dtype=torch.float64)
+
+    def scatter(self, slots: torch.Tensor, data: torch.Tensor) -> None:
+        for s, kv, t in zip(slots.tolist(), data[0, 0, :, 0].tolist(), data[1, 0, :, 0].tolist()):
+            self.kv[s] = (int(kv), int(t))
 
 
 def reference(prompt: list[int], max_new: int, ignore_eos: bool) -> list[int]:
@@ -115,17 +146,34 @@ def workloads(draw):
     radix=st.booleans(),
     max_running=st.integers(1, 6),
     reserve=st.sampled_from([0.0, 0.7]),  # share of max_new_tokens reserved at admission; 0: retract often
+    tier=st.booleans(),  # a KV tier (with the radix cache), in blocks of 4 tokens
 )
 def test_every_request_ends_once_with_the_oracles_tokens(arrivals, page_size, spare_pages, chunk, policy, radix,
-                                                         max_running, reserve):
+                                                         max_running, reserve, tier):
     # the smallest pool that still holds the longest request: tight pools force retraction
     longest = max(len(a.prompt) + a.max_new for a in arrivals)
     num_pages = -(-longest // page_size) + 1 + spare_pages // page_size
+    folder = tempfile.mkdtemp(prefix="radixlm-tier-") if tier and radix else None
     args = ServerArgs(chunked_prefill_size=chunk, max_prefill_tokens=64, schedule_policy=policy,
                       disable_radix_cache=not radix, max_running_requests=max_running, debug_accounting=True,
-                      init_new_token_ratio=reserve, min_new_token_ratio=min(reserve, 0.1))
+                      init_new_token_ratio=reserve, min_new_token_ratio=min(reserve, 0.1), kv_tier_path=folder)
     worker = EchoWorker(num_pages, page_size, max_running)
-    sched = Scheduler(args, worker)
+    with mock.patch.object(scheduler_module, "BLOCK_TOKENS", 4):
+        sched = Scheduler(args, worker)
+    try:
+        _run_workload(sched, worker, arrivals)
+        sched.shutdown()  # with a tier: everything the tree holds saved, every write done
+        if folder is not None:
+            sched.kv.tier.store.check_files()
+            loaded = sched.kv.tier.store.stats.tokens_loaded
+            event(f"read back from the tier: {loaded > 0}")
+            target(float(loaded), label="tokens read back from the tier")
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_workload(sched: Scheduler, worker: EchoWorker, arrivals: list[Arrival]) -> None:
     tokens: dict[str, list[int]] = {}
     finishes: dict[str, list[dict]] = {}
     aborts = {}
