@@ -287,7 +287,6 @@ def _remove(path: str) -> None:
         pass
 
 
-
 class KVTier:
     """The tier as the KV manager uses it: the pools' KV (the model's, and a draft model's when
     there is one) of whole blocks of a sequence, saved from slots and loaded into slots."""
