@@ -74,7 +74,9 @@ def test_one_stream_quick():
     assert done.returncode == 0, done.stderr[-2000:]
     rows = {r[0]: r for r in (line.strip("| ").split(" | ") for line in done.stdout.splitlines())
             if r[0] in ("none", "auto")}
-    assert rows["none"][1] == "none" and rows["auto"][1] == "int4", rows
+    # auto serves the file's codes only where they beat fp32 here, timed at start: on an AVX2-only
+    # CPU the two are close and either may win (seen: int4 in one run, none in the next)
+    assert rows["none"][1] == "none" and rows["auto"][1] in ("int4", "int8", "mixed", "none"), rows
     for r in rows.values():
         step, gemm, attention, rest, mb, floor = (float(r[i]) for i in (2, 4, 5, 6, 7, 8))
         assert 0 < gemm < step and 0 < attention < step and abs(gemm + attention + rest - step) < 0.5 * step, r
