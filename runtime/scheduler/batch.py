@@ -18,7 +18,6 @@ from radixlm.runtime.scheduler.kv_manager import KVManager
 from radixlm.runtime.token_mask import allocate_mask
 from radixlm.runtime.scheduler.req import Req
 from radixlm.runtime.utils import ragged_arange
-from radixlm.runtime.worker.draft_model import DRAFT_PENDING
 from radixlm.runtime.worker.forward_batch import ForwardMode, WorkerBatch
 from radixlm.runtime.worker.sampler import PenaltyCounts, SamplingBatch
 
@@ -169,7 +168,7 @@ def to_worker_batch(b: ScheduledBatch, kv: KVManager, device: torch.device) -> W
     drafted: list[tuple[int, int, int]] = []  # (batch row, packed index of its last token, k) per model-drafted row
     for i, (req, n) in enumerate(zip(b.reqs[d:], b.extend_lens[d:]), start=d):
         draft = [] if b.is_prefill(req) else req.draft
-        if draft and draft[0] == DRAFT_PENDING:
+        if draft and req.drafts_pending:
             drafted.append((i, len(ids) + n - len(draft) - 1, len(draft)))
         ids.extend(req.tokens(req.cached_len, req.cached_len + n - len(draft)))
         ids.extend(draft)

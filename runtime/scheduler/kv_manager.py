@@ -78,8 +78,10 @@ class KVManager:
         pages of its own as if it had prefilled them (admission counted those pages with its
         prompt's); the tree takes them after the step like any prefill. Returns the tokens loaded."""
         tier = self.tier
+        if tier is None:
+            return 0
         limit = self._match_limit(req)
-        if tier is None or limit // tier.block_tokens * tier.block_tokens <= req.cached_len:
+        if limit // tier.block_tokens * tier.block_tokens <= req.cached_len:
             return 0
         started = time.perf_counter()
         blocks = tier.load(req.tokens(0, limit), req.cached_len)

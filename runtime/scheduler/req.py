@@ -7,6 +7,7 @@ from enum import Enum
 from typing import Any
 
 from radixlm.runtime.messages import TokenizedRequest
+from radixlm.runtime.worker.draft_model import DRAFT_PENDING
 
 
 class FinishKind(Enum):
@@ -75,6 +76,11 @@ class Req:
         self.spec_acceptance: Any = None  # speculation.Acceptance, made on first use
         self.spec_idle = 0  # steps since its last probe, while its proposals do not pay
         self.spec_verify_ct = self.spec_proposed = self.spec_accepted = 0
+
+    @property
+    def drafts_pending(self) -> bool:
+        """Its drafts are placeholders the draft model fills in this step (worker/draft_model.py)."""
+        return bool(self.draft) and self.draft[0] == DRAFT_PENDING
 
     def outputs_rewritten(self) -> None:
         """Its output tokens changed in place (jump-forward re-encoded them): what was counted or

@@ -37,7 +37,6 @@ from radixlm.runtime.scheduler.kv_manager import KVManager, pages_for
 from radixlm.runtime.scheduler.req import Finish, FinishKind, Req
 from radixlm.runtime.scheduler.retraction import make_room
 from radixlm.runtime.scheduler.speculation import Speculator, kept_prefix
-from radixlm.runtime.worker.draft_model import DRAFT_PENDING
 from radixlm.runtime.worker.model_worker import ModelWorker, WorkerOutput
 
 log = logging.getLogger(__name__)
@@ -397,7 +396,7 @@ class Scheduler:
         if out.drafts:  # the draft model's tokens in place of the placeholders, in packed order
             made = iter(out.drafts)
             for req in b.sampled:
-                if req.draft and req.draft[0] == DRAFT_PENDING:
+                if req.drafts_pending:
                     req.draft = next(made)
         for req, n in zip(b.reqs, b.extend_lens):
             req.cached_len += n
