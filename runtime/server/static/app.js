@@ -165,9 +165,31 @@ function requestBody(messages) {
     body.response_format = {type: "json_schema", json_schema: {name: "reply", schema: JSON.parse(constraint)}};
   if (format === "regex" && constraint) body.regex = constraint;
   const tools = $("tools").value.trim();
-  if (tools) { body.tools = JSON.parse(tools); body.tool_choice = $("tool_choice").value; }
+  if (tools) {
+    body.tools = JSON.parse(tools);
+    const choice = $("tool_choice").value;  // "auto", "required", "none", or "function:<name>"
+    body.tool_choice = choice.startsWith("function:")
+      ? {type: "function", function: {name: choice.slice("function:".length)}} : choice;
+  }
   return body;
 }
+
+// Tool choice offers each tool by name (forced) beside auto, required and none, while the box parses.
+$("tools").addEventListener("input", () => {
+  const select = $("tool_choice"), kept = select.value;
+  select.querySelectorAll("option[value^='function:']").forEach((o) => o.remove());
+  let tools = [];
+  try { tools = JSON.parse($("tools").value || "[]"); } catch (e) { /* still being typed */ }
+  for (const t of Array.isArray(tools) ? tools : []) {
+    const name = t && t.function && t.function.name;
+    if (typeof name !== "string" || !name) continue;
+    const option = document.createElement("option");
+    option.value = "function:" + name;
+    option.textContent = `${name}: this call is forced`;
+    select.append(option);
+  }
+  select.value = [...select.options].some((o) => o.value === kept) ? kept : "auto";
+});
 
 async function send(text) {
   const conv = conversations[current];
