@@ -7,7 +7,12 @@
 2. decode attention time (batch x context, Llama-3-8B heads) as achieved bytes/s against a
    device-to-device copy measured in the same run;
 3. extend attention time as FLOP/s against torch's own SDPA (flash) on the same causal shapes;
-4. end to end: a random-weight Llama-3-8B-shaped model in bf16 (`load_format=dummy`), output tokens/s.
+4. end to end: a random-weight Llama-3-8B-shaped model in bf16 (`load_format=dummy`), output tokens/s;
+5. decode tokens/s at batch 1, 32 and 128 with CUDA graphs on and off and overlap scheduling on and
+   off (one copy of the weights; in the dry run "graphs on" runs the graph runner's static padded
+   batches eagerly, as nothing captures on a CPU);
+6. the same decode workload through `radixlm bench serve` against `radixlm serve` (graphs and
+   overlap at their defaults).
 Only widely available APIs: `triton.testing.do_bench`, `torch.nn.functional.scaled_dot_product_attention`.
 """
 
@@ -127,31 +132,123 @@ def time_extend(rows: list[str]) -> None:
         rows.append(f"| {n} | {prefix} | {ms:.3f} | {ours / 1e12:.1f} | {baseline} |")
 
 
-def end_to_end(rows: list[str]) -> None:
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512) if DRY else dict(
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, vocab_size=128256)
+DECODE_BATCHES = (1, 4) if DRY else (1, 32, 128)
+DECODE_PROMPT, DECODE_NEW = (16, 6) if DRY else (128, 128)
+
+
+def llama3_shape(path: str) -> str:
     import transformers
 
+    transformers.LlamaConfig(architectures=["LlamaForCausalLM"], max_position_embeddings=4096,
+                             rope_theta=500000.0, **SHAPE).save_pretrained(path)
+    return path
+
+
+def engine_args(**extra) -> dict:
+    return dict(load_format="dummy", skip_tokenizer_init=True, device=DEVICE, dtype="float32" if DRY else "bfloat16",
+                attention_backend="triton", page_size=PAGE, **extra)
+
+
+def end_to_end(rows: list[str], path: str) -> None:
     from radixlm.runtime.local_engine import LocalEngine
 
-    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512) if DRY else dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256)
     requests, prompt, new = (2, 16, 4) if DRY else (128, 512, 128)
-    with tempfile.TemporaryDirectory() as path:
-        transformers.LlamaConfig(architectures=["LlamaForCausalLM"], max_position_embeddings=4096,
-                                 rope_theta=500000.0, **shape).save_pretrained(path)
-        engine = LocalEngine(path, load_format="dummy", skip_tokenizer_init=True, device=DEVICE,
-                             dtype="float32" if DRY else "bfloat16", attention_backend="triton",
-                             max_total_tokens=requests * (prompt + new) + 4096, page_size=PAGE)
-        ids = torch.randint(0, shape["vocab_size"], (requests, prompt)).tolist()
-        params = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
-        engine.generate(input_ids=ids[:2], sampling_params={**params, "max_new_tokens": 2})  # warm up
-        start = time.perf_counter()
-        results = engine.generate(input_ids=ids, sampling_params=params)
-        wall = time.perf_counter() - start
+    engine = LocalEngine(path, max_total_tokens=requests * (prompt + new) + 4096, **engine_args())
+    ids = torch.randint(0, SHAPE["vocab_size"], (requests, prompt)).tolist()
+    params = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
+    engine.generate(input_ids=ids[:2], sampling_params={**params, "max_new_tokens": 2})  # warm up
+    start = time.perf_counter()
+    results = engine.generate(input_ids=ids, sampling_params=params)
+    wall = time.perf_counter() - start
+    engine.shutdown()
     tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
     rows.append(f"| {requests} x ({prompt} prompt + {new} new) | {wall:.1f} | {tokens / wall:.0f} | "
                 f"{requests * (prompt + new) / wall:.0f} |")
+
+
+def decode_rate(engine, batch: int) -> float:
+    """Output tokens/s of `batch` requests decoding together, their prefill not timed."""
+    from radixlm.runtime.messages import TokenizedRequest
+    from radixlm.runtime.sampling_params import SamplingParams
+
+    sched = engine.scheduler
+    for i in range(batch):
+        ids = torch.randint(0, SHAPE["vocab_size"], (DECODE_PROMPT,)).tolist()
+        sched.add_request(TokenizedRequest(f"d{batch}-{i}-{time.monotonic_ns()}", ids, SamplingParams(
+            max_new_tokens=DECODE_NEW, temperature=0, ignore_eos=True)))
+    while sched.waiting or sched.chunked:
+        sched.step()
+    start = time.perf_counter()
+    while sched.has_work:
+        sched.step()
+    if not DRY:
+        torch.cuda.synchronize()
+    return batch * (DECODE_NEW - 1) / (time.perf_counter() - start)
+
+
+def decode_matrix(rows: list[str], path: str) -> None:
+    """Decode tokens/s by batch, CUDA graphs on/off x overlap on/off, on one copy of the weights."""
+    from radixlm.runtime.local_engine import LocalEngine
+    from radixlm.runtime.worker.cuda_graph import DecodeGraphRunner
+
+    tokens = max(DECODE_BATCHES) * (DECODE_PROMPT + DECODE_NEW) + 4096
+    model, rates = None, {}
+    for graphs in (True, False):
+        for overlap in ("on", "off"):
+            engine = LocalEngine(path, model=model, max_total_tokens=tokens, overlap_schedule=overlap,
+                                 disable_cuda_graph=not graphs, cuda_graph_max_bs=max(DECODE_BATCHES), **engine_args())
+            model = engine.worker.model
+            if graphs and DRY:  # nothing captures on a CPU: the runner's static batches, eagerly
+                engine.worker.graph_runner = DecodeGraphRunner(engine.worker, max(DECODE_BATCHES))
+            decode_rate(engine, 2)  # warm up (Triton compiles)
+            for batch in DECODE_BATCHES:
+                rates[graphs, overlap, batch] = decode_rate(engine, batch)
+            if graphs:
+                assert engine.worker.graph_runner.replays > 0, "the graph runner ran no step"
+            engine.shutdown()
+    for batch in DECODE_BATCHES:
+        base = rates[False, "off", batch]
+        cells = " | ".join(f"{rates[g, o, batch]:.0f} ({rates[g, o, batch] / base:.2f}x)"
+                           for g in (True, False) for o in ("on", "off"))
+        rows.append(f"| {batch} | {cells} |")
+
+
+def bench_serve(rows: list[str], path: str) -> None:
+    """`radixlm bench serve` against `radixlm serve` on the same model, all requests at once."""
+    import json
+    import socket
+    import subprocess
+
+    from radixlm.runtime.launch import wait_until_serving
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    batch = max(DECODE_BATCHES)
+    serve = [sys.executable, "-m", "radixlm.runtime.cli", "serve", "--model-path", path, "--port", str(port),
+             "--load-format", "dummy", "--skip-tokenizer-init", "--device", DEVICE, "--attention-backend", "triton",
+             "--dtype", "float32" if DRY else "bfloat16", "--max-total-tokens", str(batch * 512 + 4096)]
+    server = subprocess.Popen(serve, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_until_serving(f"http://127.0.0.1:{port}", server, 900)
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            done = subprocess.run([sys.executable, "-m", "radixlm.runtime.cli", "bench", "serve", "--base-url",
+                                   f"http://127.0.0.1:{port}", "--num-prompts", str(batch), "--input-len",
+                                   str(DECODE_PROMPT), "--output-len", str(DECODE_NEW), "--range-ratio", "0",
+                                   "--vocab-size", str(SHAPE["vocab_size"]), "--output-json", out.name], capture_output=True, text=True, timeout=1800)
+            assert done.returncode == 0, (done.stdout + done.stderr)[-2000:]
+            with open(out.name) as f:
+                summary = json.load(f)
+    finally:
+        server.terminate()
+        server.wait(60)
+    assert summary["completed"] == batch, summary["errors"]
+    rows.append(f"| {batch} x ({DECODE_PROMPT} prompt + {DECODE_NEW} new), all at once | "
+                f"{summary['output_tok_s']:.0f} | {summary['ttft_ms']['p50']:.0f} | {summary['tpot_ms']['p50']:.1f} |")
 
 
 def main() -> None:
@@ -174,9 +271,19 @@ def main() -> None:
     lines += ["", "## Extend attention (causal; FLOP/s)", "",
               "| new tokens | cached prefix | ms | TFLOP/s | torch SDPA TFLOP/s (ours/theirs) |", "|---|---|---|---|---|"]
     time_extend(lines)
-    lines += ["", "## End to end (random-weight Llama-3-8B shape)", "", "| workload | wall s | output tok/s | total tok/s |",
-              "|---|---|---|---|"]
-    end_to_end(lines)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = llama3_shape(tmp)
+        lines += ["", "## End to end (random-weight Llama-3-8B shape)", "",
+                  "| workload | wall s | output tok/s | total tok/s |", "|---|---|---|---|"]
+        end_to_end(lines, path)
+        graphs = "eager static batches (dry run)" if DRY else "CUDA graphs"
+        lines += ["", f"## Decode tokens/s by batch ({DECODE_PROMPT}-token prompts, {DECODE_NEW} new; vs graphs off, "
+                  "overlap off)", "", f"| batch | {graphs} + overlap | {graphs}, no overlap | eager + overlap | "
+                  "eager, no overlap |", "|---|---|---|---|---|"]
+        decode_matrix(lines, path)
+        lines += ["", "## radixlm bench serve (defaults: graphs and overlap on with CUDA)", "",
+                  "| workload | output tok/s | TTFT p50 ms | TPOT p50 ms |", "|---|---|---|---|"]
+        bench_serve(lines, path)
     text = "\n".join(lines) + "\n"
     print(text)
     out = args.out or (None if DRY else os.path.join(os.path.dirname(__file__), "results", "gpu.md"))

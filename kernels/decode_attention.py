@@ -87,16 +87,20 @@ def _decode_stage2(
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                      rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, *, num_splits: int = 8,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None,
+                     workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of q [B, heads, d] over each request's first seq_lens[b] positions, read from the
-    caches [slots, kv_heads, d] through table[rows[b], position]. Returns [B, heads, d] in q's dtype."""
+    caches [slots, kv_heads, d] through table[rows[b], position]. Returns [B, heads, d] in q's dtype.
+    `workspace`: the splits' partial outputs [>= B, heads, num_splits, d] and log-sum-exps
+    [>= B, heads, num_splits], float32, allocated once (`decode_workspace`): a captured CUDA graph
+    must find them at the same addresses on every replay."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     assert heads % kv_heads == 0 and k_cache.stride(2) == 1 and q.stride(2) == 1
     group = heads // kv_heads
     block_d = triton.next_power_of_2(dim)
-    mid_out = torch.empty((batch, heads, num_splits, dim), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=q.device)
+    mid_out, mid_lse = workspace or decode_workspace(batch, heads, dim, num_splits, q.device)
+    mid_out, mid_lse = mid_out[:batch], mid_lse[:batch]
     out = torch.empty_like(q) if out is None else out
     _decode_stage1[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, table, rows, seq_lens, mid_out, mid_lse, scale,
@@ -112,6 +116,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HEAD_DIM=dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
     )
     return out
+
+
+def decode_workspace(batch: int, heads: int, dim: int, num_splits: int,
+                     device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_attention`'s intermediate buffers for up to `batch` requests."""
+    return (torch.empty((batch, heads, num_splits, dim), dtype=torch.float32, device=device),
+            torch.empty((batch, heads, num_splits), dtype=torch.float32, device=device))
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -72,6 +72,14 @@ class ServerArgs:
         "help": "auto speculates only while at most this many requests decode: on 2 CPU cores a step's cost grows "
                 "with its tokens from about 8 rows on, and the measured costs are too noisy to find the small gains "
                 "left there (benchmarks/README.md)"})
+    overlap_schedule: str = field(default="auto", metadata={
+        "help": "run the scheduler's work for the next step while the model runs this one (SGLang's overlap "
+                "scheduler): on, off, or auto (on with CUDA; off on a CPU, where the model's threads need the "
+                "cores the scheduler would take: benchmarks/README.md)"})
+    disable_overlap_schedule: bool = field(default=False, metadata={"help": "the same as --overlap-schedule off"})
+    cuda_graph_max_bs: int = field(default=160, metadata={
+        "help": "decode steps of up to this many requests replay a CUDA graph captured per batch-size bucket (CUDA only)"})
+    disable_cuda_graph: bool = field(default=False, metadata={"help": "run every decode step eagerly on CUDA"})
     attention_backend: str = field(default="auto", metadata={"help": "torch or triton (auto: torch on CPU, triton on CUDA)"})
     linear_kernel: str = field(default="auto", metadata={
         "help": "the CPU matmul kernel: torch (F.linear, MKL), onednn, or auto (the faster on this CPU, timed at start)"})
@@ -131,6 +139,12 @@ class ServerArgs:
                 raise ValueError("--kv-tier-path keeps what the radix cache evicts: not with --disable-radix-cache")
             if self.tp_size > 1:
                 raise ValueError("--kv-tier-path runs with --tp-size 1 only")
+        if self.overlap_schedule not in ("auto", "on", "off"):
+            raise ValueError(f"overlap_schedule must be auto, on or off, got {self.overlap_schedule!r}")
+        if self.disable_overlap_schedule:
+            self.overlap_schedule = "off"
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError("cuda_graph_max_bs must be >= 1")
         if self.speculative_max_batch_size < 1:
             raise ValueError("speculative_max_batch_size must be >= 1")
         if self.speculative_num_draft_tokens < 1:

@@ -188,14 +188,17 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=20000, help="prompt token ids are drawn from [100, this)")
     p.add_argument("--output-json", default=None, help="also write the summary here")
 
 
 def main(ns: argparse.Namespace) -> int:
     if ns.num_groups < 1:
         raise SystemExit("--num-groups must be >= 1")
+    if ns.vocab_size <= 100:
+        raise SystemExit("--vocab-size must be > 100 (ids below 100 are left out: special tokens live there)")
     requests = make_requests(ns.dataset, ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio,
-                             ns.prefix_len, ns.seed, num_groups=ns.num_groups)
+                             ns.prefix_len, ns.seed, vocab=ns.vocab_size, num_groups=ns.num_groups)
     outcomes, duration = asyncio.run(run(ns.base_url, ns.backend, requests, ns.request_rate, ns.max_concurrency,
                                          ns.model, ns.seed))
     summary = summarize(outcomes, duration)

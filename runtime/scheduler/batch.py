@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from radixlm.runtime.constrained.grammar import fill_rows, grammar_bitmask
-from radixlm.runtime.scheduler.kv_manager import KVManager
+from radixlm.runtime.scheduler.kv_manager import KVManager, StepSlots
 from radixlm.runtime.token_mask import allocate_mask
 from radixlm.runtime.scheduler.req import Req
-from radixlm.runtime.utils import ragged_arange
 from radixlm.runtime.worker.forward_batch import ForwardMode, WorkerBatch
 from radixlm.runtime.worker.sampler import PenaltyCounts, SamplingBatch
 
@@ -35,7 +35,7 @@ class ScheduledBatch:
     sampled: list[Req]  # requests that get a new token from this step, in packed order
     sample_counts: list[int]  # per sampled request, its sample rows: 1, or 1 + its drafts (a verify row)
     logprob_spans: list[tuple[Req, int, int]]  # (req, first prompt position, count) of prompt logprobs computed
-    slotted: int = 0  # how many of `reqs` (in order) have been given KV slots for this step
+    new_pages: torch.Tensor | None = None  # the pages this step took, once it took them
     sampling: SamplingBatch | None = field(default=None, repr=False)
 
     @property
@@ -152,19 +152,23 @@ def _draft_masks(reqs: list[Req], sample_counts: list[int], vocab_size: int) -> 
     return mask
 
 
+def stage(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Host int64 arrays as device tensors in one copy: concatenated on the host (pinned on
+    CUDA, so the copy does not wait for the device), sent, and split into views."""
+    sizes = [len(a) for a in arrays]
+    host = torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return list(host.to(device, non_blocking=True).split(sizes))
+
+
 def to_worker_batch(b: ScheduledBatch, kv: KVManager, device: torch.device) -> WorkerBatch:
-    """The tensors of one step. Takes the step's KV slots (pages when needed), counting in
-    `b.slotted` how many rows got theirs, so that a fault midway can hand them back."""
-    rows = torch.tensor([r.row for r in b.reqs], dtype=torch.int64, device=device)
-    prefix = torch.tensor([r.cached_len for r in b.reqs], dtype=torch.int64, device=device)
-    ext = torch.tensor(b.extend_lens, dtype=torch.int64, device=device)
+    """The tensors of one step, one per field, sent in one copy. Takes the step's KV slots (pages
+    when needed), kept in `b.new_pages` so that a fault can hand them back."""
     d = b.num_decode
+    starts = np.fromiter((r.cached_len for r in b.reqs), np.int64, len(b.reqs))
+    lens = np.asarray(b.extend_lens, dtype=np.int64)
     ids = [r.token_at(r.cached_len) for r in b.reqs[:d]]
-    slot_parts = []
-    if d:  # one new token each, at position prefix: a new page where it starts one
-        need_page = prefix[:d] % kv.page_size == 0
-        slot_parts.append(kv.decode_slots(rows[:d], prefix[:d], need_page, int(need_page.sum())))
-        b.slotted = d
     drafted: list[tuple[int, int, int]] = []  # (batch row, packed index of its last token, k) per model-drafted row
     for i, (req, n) in enumerate(zip(b.reqs[d:], b.extend_lens[d:]), start=d):
         draft = [] if b.is_prefill(req) else req.draft
@@ -172,43 +176,44 @@ def to_worker_batch(b: ScheduledBatch, kv: KVManager, device: torch.device) -> W
             drafted.append((i, len(ids) + n - len(draft) - 1, len(draft)))
         ids.extend(req.tokens(req.cached_len, req.cached_len + n - len(draft)))
         ids.extend(draft)
-        slot_parts.append(kv.extend_slots(req, n))
-        b.slotted += 1
-    if d == len(b.reqs):
-        positions = prefix
-        sample_rows = torch.arange(d, device=device) if len(b.sampled) == d else _last_rows(b, ext, device)
+    if d == len(b.reqs) and len(b.sampled) == d:
+        sample_rows = np.arange(d)
     else:
-        positions = torch.repeat_interleave(prefix, ext) + ragged_arange(ext)
-        sample_rows = _last_rows(b, ext, device)
+        sample_rows = _last_rows(b, lens)
+    plan, new_pages = StepSlots.host_arrays(starts, lens, kv.page_size)
+    rows = np.fromiter((r.row for r in b.reqs), np.int64, len(b.reqs))
+    (rows_t, ext_t, seq_t, ids_t, sample_t, starts_t, token_row, token_index, positions, page_index,
+     page_offset) = stage([rows, lens, starts + lens, np.asarray(ids, dtype=np.int64), sample_rows, *plan], device)
+    b.new_pages = kv.alloc_pages(new_pages)  # from here a fault hands them back
+    out_slots = kv.step_slots(rows_t, StepSlots(starts_t, token_row, token_index, positions, page_index, page_offset,
+                                                new_pages), b.new_pages)
     wb = WorkerBatch(
-        mode=b.mode, input_ids=torch.tensor(ids, dtype=torch.int64, device=device), positions=positions,
-        out_slots=torch.cat(slot_parts) if len(slot_parts) > 1 else slot_parts[0], req_rows=rows,
-        prefix_lens=prefix, extend_lens=ext, seq_lens=prefix + ext, max_extend_len=max(b.extend_lens),
-        max_seq_len=max(r.cached_len + n for r, n in zip(b.reqs, b.extend_lens)), num_decode=d,
-        sample_rows=sample_rows, sampling=b.sampling,
+        mode=b.mode, input_ids=ids_t, positions=positions, out_slots=out_slots, req_rows=rows_t,
+        prefix_lens=starts_t, extend_lens=ext_t, seq_lens=seq_t, max_extend_len=int(lens.max()),
+        max_seq_len=int((starts + lens).max()), num_decode=d, sample_rows=sample_t, sampling=b.sampling,
         return_logprob=any(r.return_logprob for r in b.sampled) or bool(b.logprob_spans),
         top_logprobs_num=max([r.top_logprobs_num for r in b.reqs if r.return_logprob] or [0]),
     )
     if b.logprob_spans:
         wb.prompt_rows, wb.prompt_targets = _prompt_logprob_inputs(b, device)
     if drafted:
-        rows_, starts, wb.draft_lens = (list(t) for t in zip(*drafted))
+        rows_, starts_, wb.draft_lens = (list(t) for t in zip(*drafted))
         wb.draft_rows = torch.tensor(rows_, dtype=torch.int64, device=device)
-        wb.draft_starts = torch.tensor(starts, dtype=torch.int64, device=device)
+        wb.draft_starts = torch.tensor(starts_, dtype=torch.int64, device=device)
     return wb
 
 
-def _last_rows(b: ScheduledBatch, ext: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _last_rows(b: ScheduledBatch, lens: np.ndarray) -> np.ndarray:
     """Packed index of each sampled request's last new token, or of its last 1 + len(draft)
     (sampled keeps the packed order)."""
-    ends = torch.cumsum(ext, 0).tolist()
+    ends = np.cumsum(lens)
     count = {id(r): c for r, c in zip(b.sampled, b.sample_counts)}
     rows = []
-    for r, e in zip(b.reqs, ends):
+    for r, e in zip(b.reqs, ends.tolist()):
         c = count.get(id(r))
         if c:
             rows.extend(range(e - c, e))
-    return torch.tensor(rows, dtype=torch.int64, device=device)
+    return np.asarray(rows, dtype=np.int64)
 
 
 def _prompt_logprob_inputs(b: ScheduledBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

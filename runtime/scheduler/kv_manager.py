@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from radixlm.runtime.cache.allocator import PageAllocator
@@ -20,6 +22,41 @@ log = logging.getLogger(__name__)
 
 def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
+
+
+@dataclass
+class StepSlots:
+    """Where a step's tokens go, worked out on the host from lengths the scheduler knows, so that
+    taking the slots reads nothing back from the device. Per row: `starts`; per token: its
+    row in the batch, its index in the row, its position, and, for a token that opens or falls
+    in a new page, that page's index among the step's new pages (-1: the row's last page has
+    room) and its offset there."""
+
+    starts: torch.Tensor  # [B]
+    token_row: torch.Tensor  # [T]
+    token_index: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    page_index: torch.Tensor  # [T]
+    page_offset: torch.Tensor  # [T]
+    num_new_pages: int
+
+    @staticmethod
+    def host_arrays(starts: np.ndarray, lens: np.ndarray, page_size: int) -> tuple[list[np.ndarray], int]:
+        """The plan's fields as host arrays (to be staged with the step's other fields), and the
+        number of new pages."""
+        p = page_size
+        ends = starts + lens
+        room_end = np.minimum(-(-starts // p) * p, ends)  # the row's last page ends here (or the row does)
+        room = room_end - starts
+        new_pages = -(-(ends - room_end) // p)
+        token_row = np.repeat(np.arange(len(lens)), lens)
+        token_index = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+        past_room = token_index - room[token_row]  # >= 0: in the step's new pages
+        first_page = np.cumsum(new_pages) - new_pages
+        page_index = np.where(past_room >= 0, first_page[token_row] + past_room // p, -1)
+        page_offset = np.where(past_room >= 0, past_room % p, 0)
+        return [starts, token_row, token_index, starts[token_row] + token_index, page_index, page_offset], \
+            int(new_pages.sum())
 
 
 class KVManager:
@@ -165,16 +202,22 @@ class KVManager:
         self.table.table[req.row, start:end] = slots
         return slots
 
-    def decode_slots(self, rows: torch.Tensor, positions: torch.Tensor, need_page: torch.Tensor,
-                     num_new_pages: int) -> torch.Tensor:
-        """One slot per request at `positions`; requests whose position starts a page get a new one."""
-        if self.page_size == 1:
-            slots = self.alloc_pages(num_new_pages)
+    def step_slots(self, rows: torch.Tensor, plan: StepSlots, pages: torch.Tensor) -> torch.Tensor:
+        """The KV slots of a whole step's tokens, written into the requests' rows: positions
+        [start, start + n) of each row continue its last page, then take the step's new `pages`
+        (`alloc_pages(plan.num_new_pages)`). `plan` was worked out on the host
+        (`StepSlots.host_arrays`): a few batched device ops whatever the batch holds, nothing read back."""
+        p = self.page_size
+        if p == 1:  # every token starts a page
+            slots = pages
         else:
-            slots = self.table.table[rows, (positions - 1).clamp(min=0)] + 1
-            if num_new_pages:
-                slots[need_page] = self.alloc_pages(num_new_pages) * self.page_size
-        self.table.table[rows, positions] = slots
+            follow = self.table.table[rows, (plan.starts - 1).clamp(min=0)][plan.token_row] + 1 + plan.token_index
+            if plan.num_new_pages:
+                fresh = pages[plan.page_index.clamp(min=0)] * p + plan.page_offset
+                slots = torch.where(plan.page_index < 0, follow, fresh)
+            else:
+                slots = follow
+        self.table.table[rows[plan.token_row], plan.positions] = slots
         return slots
 
     # ---- the invariant -----------------------------------------------------------------------

@@ -126,6 +126,7 @@ class SchedulerProcess:
                 "free_tokens": s.kv.allocator.num_free_pages * s.kv.page_size,
                 "cached_tokens": (s.kv.cache.evictable_pages + s.kv.cache.locked_pages) * s.kv.page_size,
                 "num_retractions": s.num_retractions,
+                "overlap_schedule": s.overlap, "overlapped_steps": s.overlapped_steps,
                 "context_length": s.context_length,
                 "speculative_stats": s.speculator.stats() if s.speculator is not None else None,
                 "kv_tier": s.kv.tier.store.info() if s.kv.tier is not None else None,

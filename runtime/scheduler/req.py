@@ -70,6 +70,9 @@ class Req:
         self.reasoning_end_ids = tr.reasoning_end_ids  # the guide waits for these (reasoning_gate.py)
         self.replaced = 0  # already reported output tokens that jump-forward re-encoded, to report
         self.penalty_counted = 0  # output tokens in its row of the kept penalty counts (-1: rebuild)
+        # overlap scheduling (overlap.py)
+        self.in_flight = 0  # launched steps that hold it and have not been taken back yet
+        self.awaiting = False  # its last output token is a placeholder for a step still running
         # speculative decoding (speculation.py)
         self.draft: list[int] = []  # tokens proposed after its last one, checked by this step
         self.spec_index: Any = None  # its n-gram index (cache/continuations.NgramIndex), made on first use

@@ -34,9 +34,11 @@ from radixlm.runtime.scheduler.admission import Admitted, admit, step_budget
 from radixlm.runtime.scheduler.batch import PenaltyTracker, ScheduledBatch, make_batch, sampling_batch, to_worker_batch
 from radixlm.runtime.scheduler.jump_forward import JumpForwarder
 from radixlm.runtime.scheduler.kv_manager import KVManager, pages_for
+from radixlm.runtime.scheduler.overlap import InFlight, StepThread, may_overlap
 from radixlm.runtime.scheduler.req import Finish, FinishKind, Req
 from radixlm.runtime.scheduler.retraction import make_room
 from radixlm.runtime.scheduler.speculation import Speculator, kept_prefix
+from radixlm.runtime.worker.forward_batch import WorkerBatch, future_id
 from radixlm.runtime.worker.model_worker import ModelWorker, WorkerOutput
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,16 @@ def _kv_tier(args: ServerArgs, worker: ModelWorker) -> KVTier | None:
     block = math.lcm(BLOCK_TOKENS, worker.page_size)
     store = FileTier(args.kv_tier_path, f"{worker.kv_identity()};block={block}", args.kv_tier_size)
     return KVTier(store, worker.kv_pools, block)
+
+
+def _overlap(args: ServerArgs, worker: ModelWorker) -> bool:
+    """Whether steps overlap (overlap.py): --overlap-schedule, auto on CUDA; never beside speculation,
+    whose drafts need each step's tokens before the next step is built."""
+    wanted = args.overlap_schedule == "on" or (args.overlap_schedule == "auto" and worker.device.type == "cuda")
+    if wanted and args.speculative != "off":
+        log.info("overlap scheduling is off beside --speculative %s", args.speculative)
+        return False
+    return wanted
 
 
 class Scheduler:
@@ -107,6 +119,11 @@ class Scheduler:
         self.recent_steps: deque[StepRecord] = deque(maxlen=512)  # for people watching: `activity`
         self._live: dict[str, Req] = {}  # every request not yet ended, by id
         self.penalties = PenaltyTracker(worker.req_to_token.table.shape[0], worker.config.vocab_size, worker.device)
+        # overlap scheduling (overlap.py): the step running now, and requests ended while one held them
+        self._steps = StepThread(worker) if _overlap(args, worker) else None
+        self._in_flight: InFlight | None = None
+        self._deferred: list[Req] = []
+        self.overlapped_steps = 0  # steps built while the one before them ran
 
     # ---- API ---------------------------------------------------------------------------------
 
@@ -187,13 +204,17 @@ class Scheduler:
         return self._grammar
 
     @property
+    def overlap(self) -> bool:
+        return self._steps is not None
+
+    @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self.pending)
+        return bool(self.waiting or self.running or self.chunked or self.pending or self._in_flight)
 
     @property
     def has_runnable_work(self) -> bool:
         """Whether `step` has something to do now; else only constraints are compiling (`compile_wakeup_fd`)."""
-        return bool(self.waiting or self.running or self.chunked or self._ended)
+        return bool(self.waiting or self.running or self.chunked or self._ended or self._in_flight)
 
     @property
     def compile_wakeup_fd(self) -> int | None:
@@ -221,7 +242,10 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.pending) + (self.chunked is not None)
 
     def step(self) -> list[TokenOutput]:
-        """Run one batch; returns the outputs of every request that advanced."""
+        """Run one batch; returns the outputs of every request that advanced. With overlap, the
+        batch is launched and the outputs are those of the one launched before it."""
+        if self._steps is not None:
+            return self._step_overlapped()
         started = time.perf_counter()  # (what a step costs, for speculation: choosing its drafts too)
         if self.pending:
             self._promote_compiled()
@@ -231,7 +255,10 @@ class Scheduler:
             return ended
         produced = sum(len(r.output_ids) for r in batch.sampled)
         outputs, _ = self._run(batch)
-        produced = sum(len(r.output_ids) for r in batch.sampled) - produced
+        self._record(batch, sum(len(r.output_ids) for r in batch.sampled) - produced, started)
+        return outputs
+
+    def _record(self, batch: ScheduledBatch, produced: int, started: float) -> None:
         if self.speculator is not None:
             tokens = sum(batch.extend_lens)
             self.speculator.observe_step(batch.num_decode < len(batch.reqs), tokens, time.perf_counter() - started)
@@ -240,7 +267,17 @@ class Scheduler:
                                             produced))
         if self.args.debug_accounting:
             self.check_accounting()
-        return outputs
+
+    def _build(self, batch: ScheduledBatch) -> WorkerBatch:
+        # sampling first, before any page is taken: a fault there has nothing to undo
+        batch.sampling = sampling_batch(batch.sampled, self.eos_ids, self.worker.config.vocab_size, self.device,
+                                        self.penalties, batch.sample_counts)
+        return to_worker_batch(batch, self.kv, self.device)
+
+    def _device_check(self, e: Exception) -> None:
+        """After the model raised: DeviceLost if the device cannot serve on (else the caller's fault path)."""
+        if not self.worker.usable_after_fault():
+            raise DeviceLost(f"the model raised and the device is unusable: {type(e).__name__}: {e}") from e
 
     def _run(self, batch: ScheduledBatch, isolate: bool = True) -> tuple[list[TokenOutput], bool]:
         """Build and run `batch`, then take its results; the outputs, and whether the pass ran.
@@ -249,29 +286,113 @@ class Scheduler:
         alone, to tell whose fault it was."""
         doing = "building the batch"
         try:
-            # sampling first, before any page is taken: a fault there has nothing to undo
-            batch.sampling = sampling_batch(batch.sampled, self.eos_ids, self.worker.config.vocab_size, self.device,
-                                            self.penalties, batch.sample_counts)
-            worker_batch = to_worker_batch(batch, self.kv, self.device)
+            worker_batch = self._build(batch)
             doing = "running the model"
             try:
                 result = self.worker.forward(worker_batch)
             except Exception as e:  # noqa: BLE001 - the rest serve on, unless the device is gone
-                if not self.worker.usable_after_fault():
-                    raise DeviceLost(f"the model raised and the device is unusable: {type(e).__name__}: {e}") from e
+                self._device_check(e)
                 raise
         except DeviceLost:
             raise
         except Exception:  # noqa: BLE001 - our own code or the model raised on this batch
-            error_id = uuid.uuid4().hex[:12]
-            log.exception("%s failed on requests %s (error id %s)", doing, [r.rid for r in batch.reqs], error_id)
-            message = f"internal error while {doing} (error id {error_id})"
-            if isolate and batch.prefilling and len(batch.prefilling) < len(batch.reqs):
-                return self._isolate(batch, message), False
-            return self._fail(batch, batch.reqs, message), False
+            return self._batch_failed(batch, doing, isolate), False
         self.forward_passes += 1
         self.request_passes += len(batch.reqs)
         return self._process(batch, result), True
+
+    def _batch_failed(self, batch: ScheduledBatch, doing: str, isolate: bool) -> list[TokenOutput]:
+        error_id = uuid.uuid4().hex[:12]
+        log.exception("%s failed on requests %s (error id %s)", doing, [r.rid for r in batch.reqs], error_id)
+        message = f"internal error while {doing} (error id {error_id})"
+        if isolate and batch.prefilling and len(batch.prefilling) < len(batch.reqs):
+            return self._isolate(batch, message)
+        return self._fail(batch, batch.reqs, message)
+
+    # ---- overlap (overlap.py) ----------------------------------------------------------------
+
+    def _step_overlapped(self) -> list[TokenOutput]:
+        """Build and launch the next batch, then take back the one running (its tokens, stop
+        checks and outputs) while the new one runs."""
+        started = time.perf_counter()
+        outputs: list[TokenOutput] = []
+        if self.pending:
+            self._promote_compiled()
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and not may_overlap(previous.batch, self.running, self.kv):
+            outputs += self._take_back(previous)
+            previous = None
+        batch = self._schedule()
+        launched = None
+        if batch is not None:
+            try:
+                worker_batch = self._build(batch)
+            except Exception:  # noqa: BLE001 - as in _run: the rest serve on
+                if previous is not None:  # the batch's decodes read its tokens: take it back first
+                    outputs += self._take_back(previous)
+                    previous = None
+                outputs += self._batch_failed(batch, "building the batch", isolate=True)
+            else:
+                worker_batch.future_ids = previous is not None
+                self.overlapped_steps += worker_batch.future_ids
+                for req, n in zip(batch.reqs, batch.extend_lens):
+                    req.cached_len += n
+                    req.in_flight += 1
+                launched = self._in_flight = InFlight(batch, self._steps.launch(worker_batch), started)
+        if previous is not None:
+            outputs += self._take_back(previous)
+        if launched is not None:
+            for row, req in enumerate(launched.batch.sampled):  # (one sample row each: no drafts here)
+                if req.finish is None:
+                    req.output_ids.append(future_id(row))
+                    req.awaiting = True
+            if all(r.finish is not None for r in launched.batch.reqs):  # all ended meanwhile: only their
+                self._in_flight = None                                   # pages to take back, now
+                outputs += self._take_back(launched)
+        ended, self._ended = self._ended, []
+        return outputs + ended
+
+    def _take_back(self, step: InFlight) -> list[TokenOutput]:
+        """Wait for a launched step and take its results, as `_run` does after a forward pass."""
+        b = step.batch
+        try:
+            try:
+                result = step.result.result()
+            except Exception as e:  # noqa: BLE001 - the rest serve on, unless the device is gone
+                self._device_check(e)
+                raise
+        except DeviceLost:
+            raise
+        except Exception:  # noqa: BLE001 - the model raised on this batch: its requests fail
+            error_id = uuid.uuid4().hex[:12]
+            log.exception("running the model failed on requests %s (error id %s)", [r.rid for r in b.reqs], error_id)
+            outputs = self._fail_launched(b, f"internal error while running the model (error id {error_id})")
+        else:
+            produced = sum(1 for r in b.sampled if r.finish is None)
+            self.forward_passes += 1
+            self.request_passes += len(b.reqs)
+            outputs = self._process(b, result, launched=True)
+            self._record(b, produced, step.started)
+        for req in b.reqs:
+            req.in_flight -= 1
+        if self._deferred:  # ended while a step held them: released once none does
+            held = [r for r in self._deferred if r.in_flight]
+            for req in self._deferred:
+                if not req.in_flight:
+                    self.kv.release(req)
+            self._deferred = held
+        return outputs
+
+    def _fail_launched(self, b: ScheduledBatch, message: str) -> list[TokenOutput]:
+        """A launched step raised: its requests end with a 500 and none of their own KV is kept
+        (what the step wrote, and what a step launched after it writes, is not to be trusted)."""
+        outputs, self._ended = self._ended, []
+        for req in b.reqs:
+            if req.finish is None:
+                self._dequeue(req)
+                self.kv.truncate(req, req.prefix_len)
+                outputs.append(self._end(req, Finish(FinishKind.ABORT, message, status=500)))
+        return outputs
 
     def _isolate(self, b: ScheduledBatch, message: str) -> list[TokenOutput]:
         """A mixed batch raised. Its decodes run again alone: if they pass, the fault was the
@@ -292,12 +413,10 @@ class Scheduler:
         return outputs + self._fail(b, prefill, message, slots_given_back=True)
 
     def _hand_back_slots(self, b: ScheduledBatch) -> None:
-        """Free the pages this step gave `b`'s rows (the first b.slotted of them)."""
-        for req, n in list(zip(b.reqs, b.extend_lens))[: b.slotted]:
-            computed = req.cached_len
-            req.cached_len += n
-            self.kv.truncate(req, computed)
-        b.slotted = 0
+        """Free the pages this step gave `b`'s rows (the requests' lengths never counted them)."""
+        if b.new_pages is not None:
+            self.kv.allocator.free(b.new_pages)
+            b.new_pages = None
 
     def _promote_compiled(self) -> None:
         """Requests whose constraint finished compiling join the queue (or fail with its error)."""
@@ -321,6 +440,8 @@ class Scheduler:
             self.waiting.append(req)
 
     def shutdown(self) -> None:
+        if self._steps is not None:
+            self._steps.shutdown()
         if self._grammar is not None:
             self._grammar.shutdown()
         self.kv.shutdown()
@@ -336,8 +457,11 @@ class Scheduler:
         return True
 
     def _reqs_with_rows(self) -> list[Req]:
-        reqs = self.running + [r for r in self.waiting if r.row is not None]
-        return reqs + ([self.chunked] if self.chunked else [])
+        reqs = self.running + [r for r in self.waiting if r.row is not None] + self._deferred
+        reqs += [self.chunked] if self.chunked else []
+        if self._in_flight is not None:  # its admissions join `running` only when it is taken back
+            reqs += [r for r in self._in_flight.batch.reqs if r.finish is None]
+        return list({id(r): r for r in reqs}.values())
 
     # ---- choosing a batch --------------------------------------------------------------------
 
@@ -392,20 +516,30 @@ class Scheduler:
 
     # ---- processing results ------------------------------------------------------------------
 
-    def _process(self, b: ScheduledBatch, out: WorkerOutput) -> list[TokenOutput]:
+    def _process(self, b: ScheduledBatch, out: WorkerOutput, launched: bool = False) -> list[TokenOutput]:
+        """Take a step's results. `launched`: an overlapped step, whose lengths were counted when
+        it was launched, whose sampled requests hold a placeholder, and whose requests may have
+        ended since (their rows are dropped)."""
         if out.drafts:  # the draft model's tokens in place of the placeholders, in packed order
             made = iter(out.drafts)
             for req in b.sampled:
                 if req.drafts_pending:
                     req.draft = next(made)
         for req, n in zip(b.reqs, b.extend_lens):
-            req.cached_len += n
-            if b.is_prefill(req):
+            if not launched:
+                req.cached_len += n
+            if b.is_prefill(req) and req.finish is None:
                 self.kv.share_prefill(req)
         self._store_prompt_logprobs(b, out)
         faulted: dict[str, Finish] = {}  # requests whose own bookkeeping raised: they alone fail
         row = 0
         for req, count in zip(b.sampled, b.sample_counts):
+            if req.finish is not None:  # ended while the step ran
+                row += count
+                continue
+            if req.awaiting:
+                req.output_ids.pop()
+                req.awaiting = False
             try:
                 if count == 1:
                     self._append_sampled(req, out, row)
@@ -416,7 +550,7 @@ class Scheduler:
             row += count
         outputs, self._ended = self._ended, []
         for req in b.reqs:
-            if req is self.chunked:
+            if req is self.chunked or req.finish is not None:
                 continue
             prefill = b.is_prefill(req)
             finish = faulted.get(req.rid)
@@ -574,8 +708,14 @@ class Scheduler:
     def _end(self, req: Req, finish: Finish) -> TokenOutput:
         req.finish = finish
         del self._live[req.rid]
+        if req.awaiting:  # a running step's token it will never take
+            req.output_ids.pop()
+            req.awaiting = False
         if req.row is not None:
-            self.kv.release(req)
+            if req.in_flight:  # a launched step still reads its row and writes its pages
+                self._deferred.append(req)
+            else:
+                self.kv.release(req)
         return self._output(req)
 
     def _output(self, req: Req) -> TokenOutput:

@@ -21,6 +21,14 @@ if TYPE_CHECKING:
     from radixlm.runtime.worker.sampler import SamplingBatch
 
 
+FUTURE_BASE = -2  # the first future token id (-1 is draft_model.DRAFT_PENDING)
+
+
+def future_id(sample_row: int) -> int:
+    """The placeholder of the token a step samples in `sample_row`, for a step built before it is known."""
+    return FUTURE_BASE - sample_row
+
+
 class ForwardMode(Enum):
     EXTEND = "extend"  # new tokens after a (possibly empty) cached prefix: prefill chunks, decode rows beside them
     DECODE = "decode"  # exactly one new token per request
@@ -56,6 +64,9 @@ class WorkerBatch(StepTokens):
     top_logprobs_num: int = 0
     prompt_rows: torch.Tensor | None = None  # [P] packed-token indices whose next-token logprob is wanted
     prompt_targets: torch.Tensor | None = None  # [P] the token that follows each of them
+    # overlap scheduling: input ids <= FUTURE_BASE are the previous step's sampled tokens, not yet
+    # known when this step was built (-(id - FUTURE_BASE) is the sample row), read on the device
+    future_ids: bool = False
     # verify rows whose drafts the draft model makes in this step (draft_model.py):
     draft_rows: torch.Tensor | None = None  # [D] their batch rows
     draft_starts: torch.Tensor | None = None  # [D] packed index of each one's last real token

@@ -15,8 +15,9 @@ from radixlm.runtime.cache.kv_pool import KVPool, ReqToTokenTable
 from radixlm.runtime.model_config import ModelConfig, ModelSource, load_config, resolve_model, weights_fingerprint
 from radixlm.runtime.worker import gemm, quant
 from radixlm.runtime.worker.attention.base import AttentionBackend
+from radixlm.runtime.worker.cuda_graph import DecodeGraphRunner
 from radixlm.runtime.worker.draft_model import DraftModel
-from radixlm.runtime.worker.forward_batch import ForwardBatch, WorkerBatch
+from radixlm.runtime.worker.forward_batch import FUTURE_BASE, ForwardBatch, WorkerBatch
 from radixlm.runtime.worker.loader import iter_weights
 from radixlm.runtime.worker.models.llama import ARCHITECTURES
 from radixlm.runtime.worker.parallel import SINGLE, TPContext, receive_batch, send_batch
@@ -91,11 +92,14 @@ class ModelWorker:
         self.req_to_token = ReqToTokenTable(args.max_running_requests + 1, self.context_length + 1, self.device)
         self.attn_backend = self._attention_backend()
         self.linear_mode = self._linear_mode(self.model)
+        self.pad_slot = self.num_pages * self.page_size  # in the pool's spare page: padding rows write here
         self.draft: DraftModel | None = None
         if draft_model is not None:
             self.draft = DraftModel(draft_model, self._linear_mode(draft_model), self._kv_pool(self.draft_config),
                                     self.attn_backend)
+        self.graph_runner = self._graph_runner()
         self.sampler = Sampler()
+        self._sampled = torch.zeros(1, dtype=torch.int64, device=self.device)  # the latest step's tokens
         torch.manual_seed(args.random_seed)
 
     # ---- set-up ------------------------------------------------------------------------------
@@ -139,8 +143,25 @@ class ModelWorker:
         return done
 
     def _kv_pool(self, cfg: ModelConfig) -> KVPool:
-        return KVPool(cfg.num_layers, self.num_pages * self.page_size, self.tp.kv_heads(cfg.num_kv_heads)[0],
+        """The pages the allocator hands out, and one spare that no request owns: where a CUDA
+        graph's padding rows write their K/V (`pad_slot`)."""
+        return KVPool(cfg.num_layers, (self.num_pages + 1) * self.page_size, self.tp.kv_heads(cfg.num_kv_heads)[0],
                       cfg.head_dim, self.dtype, self.device)
+
+    def _graph_runner(self) -> DecodeGraphRunner | None:
+        """Decode steps replayed from CUDA graphs (cuda_graph.py): on CUDA, unless --disable-cuda-graph,
+        for the Triton backend with one rank and no draft model (the batch-invariant kernels plan
+        on the host)."""
+        if self.device.type != "cuda" or self.args.disable_cuda_graph:
+            return None
+        from radixlm.runtime.worker.attention.triton_backend import TritonAttention
+
+        if self.tp.size > 1 or self.draft is not None or not isinstance(self.attn_backend, TritonAttention):
+            log.info("CUDA graphs are off: they run with the triton attention backend, one rank and no draft model")
+            return None
+        runner = DecodeGraphRunner(self, min(self.args.cuda_graph_max_bs, self.args.max_running_requests))
+        runner.capture()
+        return runner
 
     def _pool_pages(self) -> int:
         models = [self.config] + ([self.draft_config] if self.draft_config is not None else [])
@@ -205,6 +226,8 @@ class ModelWorker:
         if self.tp.size > 1:
             send_batch(b, self.req_to_token.table, self.tp)
         out = WorkerOutput(next_token_ids=[])
+        if b.future_ids:
+            b.input_ids = self._resolve_future(b.input_ids)
         if self.draft is not None:  # its proposals first (into b.input_ids), then its KV of the step
             if b.draft_rows is not None:
                 out.drafts = self.draft.propose(b, self.req_to_token)
@@ -215,6 +238,7 @@ class ModelWorker:
         if b.sample_rows.numel():
             logits = self.model.compute_logits(hidden[b.sample_rows])
             s = self.sampler(logits, b.sampling, return_logprob=b.return_logprob, top_logprobs_num=b.top_logprobs_num)
+            self._sampled = s.next_token_ids  # what the next step's future ids stand for
             out.next_token_ids = s.next_token_ids.tolist()
             if s.logprobs is not None:
                 out.logprobs = s.logprobs.tolist()
@@ -222,6 +246,13 @@ class ModelWorker:
                 out.top_logprobs = s.top_logprobs.tolist()
                 out.top_logprob_ids = s.top_logprob_ids.tolist()
         return out
+
+    def _resolve_future(self, ids: torch.Tensor) -> torch.Tensor:
+        """The previous step's sampled tokens in place of their placeholders (`future_id`), on the
+        device. A placeholder of a step that failed reads some token: its request failed with it,
+        and the scheduler drops what this step makes of it."""
+        rows = (FUTURE_BASE - ids).clamp(0, self._sampled.numel() - 1)
+        return torch.where(ids <= FUTURE_BASE, self._sampled[rows], ids)
 
     @property
     def kv_pools(self) -> list[KVPool]:
@@ -273,6 +304,8 @@ class ModelWorker:
                     self.model.compute_logits(hidden[b.sample_rows])
 
     def _hidden(self, b: WorkerBatch) -> torch.Tensor:
+        if self.graph_runner is not None and self.graph_runner.fits(b):
+            return self.graph_runner.run(b)
         fb = ForwardBatch.of(b, self.kv_pool, self.req_to_token, self.attn_backend)
         self.attn_backend.prepare(fb)
         return self.model(fb)

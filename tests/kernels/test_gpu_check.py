@@ -11,10 +11,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_gpu_check_dry_run_prints_every_table():
     done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--dry-run"],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
-    for title in ("## Correctness", "## Decode attention", "## Extend attention", "## End to end"):
+    for title in ("## Correctness", "## Decode attention", "## Extend attention", "## End to end",
+                  "## Decode tokens/s by batch", "## radixlm bench serve"):
         assert title in out
+    # every batch of the decode matrix has its four configurations, each a rate and a ratio
+    matrix = re.findall(r"^\| (\d+) \| (\d+ \([0-9.]+x\) \| ){3}\d+ \([0-9.]+x\) \|$", out, re.M)
+    assert [b for b, _ in matrix] == ["1", "4"], out
+    assert re.search(r"^\| 4 x \(16 prompt \+ 6 new\), all at once \| \d+ \|", out, re.M), out
     errors = [float(x) for x in re.findall(r"^\| (?:extend|decode) \|.*\| ([0-9.e+-]+) \|$", out, re.M)]
     assert len(errors) == 2 and max(errors) < 1e-5, out

@@ -72,8 +72,9 @@ def test_one_batch_any_chunk_size_is_bitwise_the_same_as_alone(tiny_llama, alone
     assert _run(engine, _prompts(tiny_llama), prompt_logprobs=True) == alone
 
 
-def test_arrival_order_and_a_warm_cache_change_nothing(tiny_llama, alone):
-    engine = tiny_llama.engine(deterministic=True, chunked_prefill_size=16)
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_arrival_order_and_a_warm_cache_change_nothing(tiny_llama, alone, overlap):
+    engine = tiny_llama.engine(deterministic=True, chunked_prefill_size=16, overlap_schedule=overlap)
     prompts = _prompts(tiny_llama)
     warm = _run(engine, prompts, order=[5, 4, 3, 2, 1, 0])  # reversed; the cache now holds every prompt
     assert warm == _outputs(alone)
@@ -92,14 +93,16 @@ def test_arrival_order_and_a_warm_cache_change_nothing(tiny_llama, alone):
         assert [t for o in got for t in o.new_token_ids] == want[0], i
         assert [lp for o in got for lp in o.output_logprobs] == [lp for lp, *_ in want[1]], i
         assert got[-1].cached_tokens > 0, "the prompt was cached by the first run"
+    assert (sched.overlapped_steps > 0) == (overlap == "on")
     assert_drained(engine)
 
 
-def test_retraction_recomputes_outputs_bitwise(tiny_llama, alone):
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_retraction_recomputes_outputs_bitwise(tiny_llama, alone, overlap):
     # four prompts (288 tokens) fill a 300-token pool; their outputs do not fit: some are retracted
     # and re-prefill their output tokens as prompt
     engine = tiny_llama.engine(deterministic=True, max_total_tokens=300, init_new_token_ratio=0.0,
-                               min_new_token_ratio=0.0)
+                               min_new_token_ratio=0.0, overlap_schedule=overlap)
     picked = [0, 1, 2, 5]
     prompts = _prompts(tiny_llama)
     assert sum(len(prompts[i]) for i in picked) == 288

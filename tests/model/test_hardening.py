@@ -109,16 +109,6 @@ def _fault_at(monkeypatch, engine, where: str, bad_token: int) -> None:
     import radixlm.runtime.scheduler.scheduler as scheduler_module
 
     sched = engine.scheduler
-    if where == "page allocation":  # after the pages of the requests before it in the batch were taken
-        extend_slots = sched.kv.extend_slots
-
-        def faulty_extend_slots(req, n):
-            if bad_token in req.prompt_ids:
-                raise RuntimeError("injected fault")
-            return extend_slots(req, n)
-
-        monkeypatch.setattr(sched.kv, "extend_slots", faulty_extend_slots)
-        return
     sampling, building = scheduler_module.sampling_batch, []
 
     def remembering(reqs, *args):
@@ -133,7 +123,17 @@ def _fault_at(monkeypatch, engine, where: str, bad_token: int) -> None:
         return call
 
     monkeypatch.setattr(scheduler_module, "sampling_batch", remembering)
-    if where == "sampling batch":
+    if where == "page allocation":  # raises once the step's pages were taken: they must come back
+        step_slots = sched.kv.step_slots
+
+        def faulty_step_slots(*args):
+            slots = step_slots(*args)
+            if any(bad_token in r.prompt_ids for r in building):
+                raise RuntimeError("injected fault")
+            return slots
+
+        monkeypatch.setattr(sched.kv, "step_slots", faulty_step_slots)
+    elif where == "sampling batch":
         monkeypatch.setattr(batch_module.SamplingBatch, "build", staticmethod(faulty(batch_module.SamplingBatch.build)))
     else:
         monkeypatch.setattr(batch_module, "grammar_bitmask", faulty(batch_module.grammar_bitmask))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from oracle import assert_matches
 from conftest import NEW_TOKENS
 from helpers import assert_drained
@@ -9,16 +11,19 @@ from helpers import assert_drained
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0}
 
 
-def test_tiny_models_match_hf(tiny):
-    engine = tiny.engine()
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_tiny_models_match_hf(tiny, overlap):
+    engine = tiny.engine(overlap_schedule=overlap)
     results = engine.generate(input_ids=tiny.prompts, sampling_params=GREEDY)
     for i, (res, ref) in enumerate(zip(results, tiny.refs)):
         assert_matches(res["output_ids"], ref, f"{tiny.kind} prompt {i}")
+    assert (engine.scheduler.overlapped_steps > 0) == (overlap == "on")
     assert_drained(engine)
 
 
-def test_tiny_models_match_hf_on_a_shared_prefix_batch(tiny):
-    engine = tiny.engine(page_size=16)
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_tiny_models_match_hf_on_a_shared_prefix_batch(tiny, overlap):
+    engine = tiny.engine(page_size=16, overlap_schedule=overlap)
     results = engine.generate(input_ids=tiny.shared_prompts, sampling_params=GREEDY)
     assert sum(r["meta_info"]["cached_tokens"] for r in results) >= 7 * 64
     for i, (res, ref) in enumerate(zip(results, tiny.shared_refs)):

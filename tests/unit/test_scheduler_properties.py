@@ -28,6 +28,7 @@ from radixlm.runtime.messages import TokenizedRequest
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.scheduler import scheduler as scheduler_module
 from radixlm.runtime.scheduler.scheduler import Scheduler
+from radixlm.runtime.worker.forward_batch import FUTURE_BASE
 from radixlm.runtime.worker.model_worker import WorkerOutput
 
 VOCAB, EOS, CONTEXT = 50, 0, 96
@@ -47,15 +48,22 @@ class EchoWorker:
         self.kv = [(-1, -1)] * (num_pages * page_size)  # slot -> (chain value, token)
         self.broken: list[str] = []  # contexts found inconsistent, as attention would read them
         self.kv_pools = [ListPool(self.kv)]  # what a KV tier saves and loads
+        self.sampled: list[int] = []  # the latest step's tokens: what an overlapped step's placeholders stand for
 
     def kv_identity(self) -> str:
         return f"echo, page {self.page_size}"
+
+    def usable_after_fault(self) -> bool:
+        return True
 
     def forward(self, b) -> WorkerOutput:
         table = self.req_to_token.table
         owner = torch.repeat_interleave(torch.arange(len(b.extend_lens)), b.extend_lens).tolist()
         rows, positions = b.req_rows.tolist(), b.positions.tolist()
-        for i, (token, slot) in enumerate(zip(b.input_ids.tolist(), b.out_slots.tolist())):
+        ids = b.input_ids.tolist()
+        if b.future_ids:  # as the model worker does on the device
+            ids = [self.sampled[FUTURE_BASE - t] if t <= FUTURE_BASE else t for t in ids]
+        for i, (token, slot) in enumerate(zip(ids, b.out_slots.tolist())):
             row, pos = rows[owner[i]], positions[i]
             if int(table[row, pos]) != slot:
                 self.broken.append(f"row {row} position {pos}: the table does not point at the slot written")
@@ -72,6 +80,7 @@ class EchoWorker:
                     self.broken.append(f"row {row}: the KV at position {p} belongs to another sequence")
                     break
             next_ids.append(context[-1][0] % VOCAB)
+        self.sampled = next_ids
         return WorkerOutput(next_token_ids=next_ids)
 
 
@@ -147,16 +156,18 @@ def workloads(draw):
     max_running=st.integers(1, 6),
     reserve=st.sampled_from([0.0, 0.7]),  # share of max_new_tokens reserved at admission; 0: retract often
     tier=st.booleans(),  # a KV tier (with the radix cache), in blocks of 4 tokens
+    overlap=st.booleans(),  # the next step built while this one runs, on a thread of its own
 )
 def test_every_request_ends_once_with_the_oracles_tokens(arrivals, page_size, spare_pages, chunk, policy, radix,
-                                                         max_running, reserve, tier):
+                                                         max_running, reserve, tier, overlap):
     # the smallest pool that still holds the longest request: tight pools force retraction
     longest = max(len(a.prompt) + a.max_new for a in arrivals)
     num_pages = -(-longest // page_size) + 1 + spare_pages // page_size
     folder = tempfile.mkdtemp(prefix="radixlm-tier-") if tier and radix else None
     args = ServerArgs(chunked_prefill_size=chunk, max_prefill_tokens=64, schedule_policy=policy,
                       disable_radix_cache=not radix, max_running_requests=max_running, debug_accounting=True,
-                      init_new_token_ratio=reserve, min_new_token_ratio=min(reserve, 0.1), kv_tier_path=folder)
+                      init_new_token_ratio=reserve, min_new_token_ratio=min(reserve, 0.1), kv_tier_path=folder,
+                      overlap_schedule="on" if overlap else "off")
     worker = EchoWorker(num_pages, page_size, max_running)
     with mock.patch.object(scheduler_module, "BLOCK_TOKENS", 4):
         sched = Scheduler(args, worker)
@@ -219,12 +230,14 @@ def _run_workload(sched: Scheduler, worker: EchoWorker, arrivals: list[Arrival])
     assert kv.allocator.num_free_pages + kv.cache.evictable_pages == kv.num_pages
 
 
+@pytest.mark.parametrize("overlap", ["off", "on"])
 @pytest.mark.parametrize("site", ["_append_sampled", "_check_finish"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_a_fault_in_one_requests_bookkeeping_fails_it_alone(site, page_size, caplog):
+def test_a_fault_in_one_requests_bookkeeping_fails_it_alone(site, page_size, overlap, caplog):
     """Our code raising on one request after a good forward pass (taking its token, checking its
     stop conditions) ends that request with a 500 and an error id; the others finish exactly."""
-    sched = Scheduler(ServerArgs(max_running_requests=4, debug_accounting=True), EchoWorker(48, page_size, 4))
+    sched = Scheduler(ServerArgs(max_running_requests=4, debug_accounting=True, overlap_schedule=overlap),
+                      EchoWorker(48, page_size, 4))
     prompts = {"r0": [3, 4, 5, 6, 11, 12], "r1": [3, 4, 5, 6, 11, 13, 14], "r2": [9, 10]}
     for rid, prompt in prompts.items():
         sched.add_request(TokenizedRequest(rid, prompt, SamplingParams(max_new_tokens=12, ignore_eos=True,
@@ -262,3 +275,63 @@ def test_a_fault_in_one_requests_bookkeeping_fails_it_alone(site, page_size, cap
         again += [t for out in sched.step() for t in out.new_token_ids]
     assert again == reference(prompts["r1"], 12, True) and not sched.kv.cache.locked_pages
     assert not sched.worker.broken
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_an_overlapped_step_that_raises_fails_its_requests_alone(page_size, caplog):
+    """With overlap, the model raises on a step while the next one is already launched (its
+    decodes read the failed step's placeholders): the failed step's requests end with a 500,
+    a request admitted beside them finishes exactly, no page leaks, and the cache stays sound."""
+    worker = EchoWorker(64, page_size, 4)
+    sched = Scheduler(ServerArgs(max_running_requests=4, debug_accounting=True, overlap_schedule="on"), worker)
+    real, steps = worker.forward, []
+
+    def faulty(b):
+        steps.append(bool(b.future_ids))
+        if len(steps) == 4:  # a decode step launched while the one before it ran
+            assert b.future_ids
+            raise RuntimeError("injected")
+        return real(b)
+
+    worker.forward = faulty
+    prompts = {"r0": [3, 4, 5, 6], "r1": [7, 8, 9]}
+    for rid, prompt in prompts.items():
+        sched.add_request(TokenizedRequest(rid, prompt, SamplingParams(max_new_tokens=12, ignore_eos=True,
+                                                                       temperature=0)))
+    tokens = {rid: [] for rid in [*prompts, "late"]}
+    finishes = {rid: [] for rid in tokens}
+    step = 0
+    while sched.has_work:
+        if step == 4:  # arrives while the faulty step runs: prefilled in the step launched beside it
+            sched.add_request(TokenizedRequest("late", [11, 12, 13], SamplingParams(
+                max_new_tokens=8, ignore_eos=True, temperature=0)))
+        for out in sched.step():
+            tokens[out.rid] += out.new_token_ids
+            if out.finish_reason:
+                finishes[out.rid].append(out.finish_reason)
+        step += 1
+    for rid in prompts:
+        [failed] = finishes[rid]
+        assert failed["status"] == 500 and "running the model" in failed["message"], failed
+        assert failed["message"].split("error id ")[1].rstrip(")") in caplog.text
+        assert tokens[rid] == reference(prompts[rid], 12, True)[: len(tokens[rid])]
+    assert [f["type"] for f in finishes["late"]] == ["length"]
+    assert tokens["late"] == reference([11, 12, 13], 8, True)
+    sched.check_accounting()
+    assert sched.kv.cache.locked_pages == 0
+    assert sched.kv.allocator.num_free_pages + sched.kv.cache.evictable_pages == sched.kv.num_pages
+    # the step launched beside the failed one read the KV that step never wrote, for its
+    # requests alone (rows 0 and 1), and those rows' results were dropped
+    assert worker.broken and all(b.startswith(("row 0:", "row 1:")) for b in worker.broken), worker.broken
+    worker.broken.clear()
+    worker.forward = real
+    for rid, prompt in prompts.items():  # nothing the failed step wrote was cached
+        sched.add_request(TokenizedRequest(rid + "-again", prompt, SamplingParams(max_new_tokens=12, ignore_eos=True,
+                                                                                  temperature=0)))
+    again = {rid + "-again": [] for rid in prompts}
+    while sched.has_work:
+        for out in sched.step():
+            again[out.rid] += out.new_token_ids
+    assert again == {rid + "-again": reference(p, 12, True) for rid, p in prompts.items()}
+    assert not worker.broken
+    sched.shutdown()
