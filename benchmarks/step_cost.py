@@ -169,7 +169,7 @@ def main() -> None:
     print("\nRadix cache overhead with no sharing (wall s per run, alternated; the difference of the medians):\n")
     print("| requests | rounds | cache on s | cache off s | on / off - 1 |")
     print("|---|---|---|---|---|")
-    print("\n".join(radix_overhead_rows(engine, 8 if args.quick else 32, 2 if args.quick else 5)))
+    print("\n".join(radix_overhead_rows(engine, 4 if args.quick else 32, 1 if args.quick else 5)))
     engine.shutdown()
 
 

@@ -19,7 +19,7 @@ def test_gpu_check_dry_run_prints_every_table():
         assert title in out
     # every batch of the decode matrix has its four configurations, each a rate and a ratio
     matrix = re.findall(r"^\| (\d+) \| (\d+ \([0-9.]+x\) \| ){3}\d+ \([0-9.]+x\) \|$", out, re.M)
-    assert [b for b, _ in matrix] == ["1", "4"], out
-    assert re.search(r"^\| 4 x \(16 prompt \+ 6 new\), all at once \| \d+ \|", out, re.M), out
+    assert [b for b, _ in matrix] == ["3"], out
+    assert re.search(r"^\| 3 x \(16 prompt \+ 4 new\), all at once \| \d+ \|", out, re.M), out
     errors = [float(x) for x in re.findall(r"^\| (?:extend|decode) \|.*\| ([0-9.e+-]+) \|$", out, re.M)]
     assert len(errors) == 2 and max(errors) < 1e-5, out

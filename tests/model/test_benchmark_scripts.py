@@ -36,7 +36,7 @@ def test_step_cost_quick():
     mixed = re.findall(r"^\| 8 \| (\d+) \| ([\d.]+) \| ", out, re.M)
     assert [m[0] for m in mixed] == ["0", "64", "256"]
     assert float(mixed[2][1]) > float(mixed[0][1]), "a step with a prompt on it costs more than decode alone"
-    assert "| --deterministic |" in out and re.search(r"^\| 8 \| 2 \| .+ \| [+-][\d.]+% \|$", out, re.M)
+    assert "| --deterministic |" in out and re.search(r"^\| 4 \| 1 \| .+ \| [+-][\d.]+% \|$", out, re.M)
 
 
 def test_quant_kernels_quick():
@@ -86,8 +86,9 @@ def test_one_stream_quick():
 
 def test_run_all_quick(tmp_path):
     """Every workload on the systems that make the ratios (llama.cpp needs a binary built by hand;
-    `radixlm fcfs` differs only in an option, and the scheduler's property tests run every policy)."""
-    systems = ["radixlm", "radixlm no-cache", "radixlm no-jump-forward", "hf-static"]
+    `radixlm fcfs` and `radixlm no-cache` differ only in an option, and the scheduler's property
+    tests run every policy, cache on and off; `radixlm no-jump-forward` stands for them)."""
+    systems = ["radixlm", "radixlm no-jump-forward", "hf-static"]
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "run_all.py"), "--quick",
                            "--systems", ",".join(systems), "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": ROOT})
@@ -101,7 +102,6 @@ def test_run_all_quick(tmp_path):
         assert all(by[(w, s)]["latencies_s"] for s in ran), w
     for w in ("mmlu", "hellaswag", "tree-of-thought", "react"):  # shared prefixes come from the radix cache
         assert by[(w, "radixlm")]["cached_tokens"] > 0.5 * by[(w, "radixlm")]["prompt_tokens"], w
-        assert by[(w, "radixlm no-cache")]["cached_tokens"] == 0, w
     for w in ("chat", "tree-of-thought", "react", "no-sharing"):  # fixed lengths: the same work everywhere
         assert len({by[(w, s)]["output_tokens"] for s in systems if (w, s) in by}) == 1, w
         assert by[(w, "radixlm")]["output_tokens"] > 0, w
