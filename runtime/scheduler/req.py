@@ -73,6 +73,7 @@ class Req:
         # overlap scheduling (overlap.py)
         self.in_flight = 0  # launched steps that hold it and have not been taken back yet
         self.awaiting = False  # its last output token is a placeholder for a step still running
+        self.drop_kv = False  # failed while a step held it: its own KV is freed, not cached, on release
         # speculative decoding (speculation.py)
         self.draft: list[int] = []  # tokens proposed after its last one, checked by this step
         self.spec_index: Any = None  # its n-gram index (cache/continuations.NgramIndex), made on first use

@@ -355,6 +355,7 @@ class Scheduler:
     def _take_back(self, step: InFlight) -> list[TokenOutput]:
         """Wait for a launched step and take its results, as `_run` does after a forward pass."""
         b = step.batch
+        failure = None
         try:
             try:
                 result = step.result.result()
@@ -366,19 +367,23 @@ class Scheduler:
         except Exception:  # noqa: BLE001 - the model raised on this batch: its requests fail
             error_id = uuid.uuid4().hex[:12]
             log.exception("running the model failed on requests %s (error id %s)", [r.rid for r in b.reqs], error_id)
-            outputs = self._fail_launched(b, f"internal error while running the model (error id {error_id})")
+            failure = f"internal error while running the model (error id {error_id})"
+        for req in b.reqs:  # the step is over: only steps launched after it still hold its requests
+            req.in_flight -= 1
+        if failure is not None:
+            outputs = self._fail_launched(b, failure)
         else:
             produced = sum(1 for r in b.sampled if r.finish is None)
             self.forward_passes += 1
             self.request_passes += len(b.reqs)
             outputs = self._process(b, result, launched=True)
             self._record(b, produced, step.started)
-        for req in b.reqs:
-            req.in_flight -= 1
         if self._deferred:  # ended while a step held them: released once none does
             held = [r for r in self._deferred if r.in_flight]
             for req in self._deferred:
                 if not req.in_flight:
+                    if req.drop_kv:
+                        self.kv.truncate(req, req.prefix_len)
                     self.kv.release(req)
             self._deferred = held
         return outputs
@@ -390,7 +395,7 @@ class Scheduler:
         for req in b.reqs:
             if req.finish is None:
                 self._dequeue(req)
-                self.kv.truncate(req, req.prefix_len)
+                self._drop_own_kv(req)
                 outputs.append(self._end(req, Finish(FinishKind.ABORT, message, status=500)))
         return outputs
 
@@ -604,8 +609,17 @@ class Scheduler:
         so none of its own KV goes to the prefix cache: only the prefix it already shared stays."""
         error_id = uuid.uuid4().hex[:12]
         log.exception("request %s failed while %s (error id %s)", req.rid, doing, error_id)
-        self.kv.truncate(req, req.prefix_len)
+        self._drop_own_kv(req)
         return Finish(FinishKind.ABORT, f"internal error (error id {error_id})", status=500)
+
+    def _drop_own_kv(self, req: Req) -> None:
+        """Free a failed request's own KV (past its shared prefix); while a launched step still
+        writes its pages, only once that step is taken back, so no page is handed out meanwhile
+        (a KV tier would write into it at admission, while the step does too)."""
+        if req.in_flight:
+            req.drop_kv = True
+        else:
+            self.kv.truncate(req, req.prefix_len)
 
     def _fail(self, b: ScheduledBatch, reqs: list[Req], message: str, slots_given_back: bool = False) -> list[TokenOutput]:
         """Building or running batch `b` raised: `reqs` end with a 500 whose `message` names an error
