@@ -45,11 +45,10 @@ class DecodeGraphRunner:
         self.max_bs = max_bs
         device = worker.device
 
-        def field(fill: int = 0) -> torch.Tensor:
-            return torch.full((max_bs,), fill, dtype=torch.int64, device=device)
-
-        self.input_ids, self.positions, self.req_rows, self.prefix_lens = field(), field(), field(), field()
-        self.out_slots, self.seq_lens, self.extend_lens = field(worker.pad_slot), field(1), field(1)
+        (self.input_ids, self.positions, self.req_rows, self.prefix_lens, self.out_slots,
+         self.seq_lens) = torch.empty(6, max_bs, dtype=torch.int64, device=device).unbind()
+        self._pad(0, max_bs)  # every row padding until a step fills it
+        self.extend_lens = torch.ones(max_bs, dtype=torch.int64, device=device)  # decode: one token each
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # each graph's hidden states
         self.replays = 0  # steps run through the runner
@@ -101,7 +100,6 @@ class DecodeGraphRunner:
         """Capture every bucket's forward pass (CUDA), the largest first so that the smaller ones
         reuse its memory pool. Each is run twice first: Triton compiles its kernels then."""
         w = self.worker
-        self._pad(0, self.max_bs)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=w.device)
         with gemm.linear_mode(w.linear_mode):
