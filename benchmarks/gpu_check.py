@@ -31,7 +31,7 @@ if DRY:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after site-packages: kernels/ must not shadow the installed `kernels`
 from radixlm.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
 from radixlm.kernels.extend_attention import extend_attention, extend_attention_reference  # noqa: E402
 

@@ -33,7 +33,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after site-packages: kernels/ must not shadow the installed `kernels`
 from benchmarks.machine import cpu_info  # noqa: E402
 from json_decode import CITIES, PEOPLE, SCHEMA  # noqa: E402
 from radixlm.runtime import tool_calls  # noqa: E402

@@ -26,7 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after site-packages: kernels/ must not shadow the installed `kernels`
 from benchmarks.machine import measure  # noqa: E402
 from radixlm.runtime.engine import Engine  # noqa: E402
 from radixlm.runtime.model_config import resolve_model  # noqa: E402

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after site-packages: kernels/ must not shadow the installed `kernels`
 from benchmarks.machine import measure  # noqa: E402
 from radixlm.runtime.args import ServerArgs  # noqa: E402
 from radixlm.runtime.cache.allocator import PageAllocator  # noqa: E402

@@ -4,7 +4,7 @@
 Steps are timed on the scheduler (`Scheduler.step`: model, sampling, bookkeeping), the median
 of many, with 128-token prompts on the embedded SmolLM2 GGUF. The split times every matmul
 call (`layers.linear`: casts, the kernel, the LM head included) and every attention call
-(KV store included) with wall clocks; "rest" is the step minus both (norms, rotary, residuals,
+(KV store included, and rotary where the backend fuses it) with wall clocks; "rest" is the step minus both (norms, rotary, residuals,
 embedding, sampling, the scheduler). The bytes a batch-1 token reads are the weights its
 kernels read (the codes, not the dense copies larger batches use) plus its KV.
 
@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after site-packages: kernels/ must not shadow the installed `kernels`
 from benchmarks.machine import measure  # noqa: E402
 from benchmarks.step_cost import CONTEXT, Bench  # noqa: E402
 from radixlm.runtime.cache.kv_pool import KVPool  # noqa: E402
@@ -64,9 +64,7 @@ def batch1_bytes(engine: LocalEngine) -> int:
     table = model.lm_head.weight
     if not isinstance(table, quant.QuantizedMatrix):
         dense += table.numel() * table.element_size()  # the LM head reads all of it
-    codes = sum(q.code_bytes for q in quant.served_matrices(model))
-    if isinstance(table, quant.GroupInt8Matrix):
-        codes -= table.codes.numel() + table.scale.numel() * 4  # the lookup codes: one row per token
+    codes = sum(q.code_bytes for q in quant.served_matrices(model))  # a tied table: its LM head reads it whole
     kv = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, engine.worker.dtype) * (CONTEXT + 8)
     return dense + codes + kv
 
@@ -79,14 +77,15 @@ def run(precision: str, steps: int, bandwidth: float) -> dict[str, Any]:
     step1 = median_step(b, steps)
     clock = Clock()
     worker = engine.worker
-    real_linear, real_attn = layers.linear, worker.attn_backend.forward
+    real_linear, real_attn, real_fused = layers.linear, worker.attn_backend.forward, worker.attn_backend.forward_qkv
     layers.linear = clock.wrap("gemm", real_linear)
     worker.attn_backend.forward = clock.wrap("attention", real_attn)
+    worker.attn_backend.forward_qkv = clock.wrap("attention", real_fused)  # the native backend: rotary + store + attend
     start = time.perf_counter()
     for _ in range(steps):
         b.sched.step()
     timed = time.perf_counter() - start
-    layers.linear, worker.attn_backend.forward = real_linear, real_attn
+    layers.linear, worker.attn_backend.forward, worker.attn_backend.forward_qkv = real_linear, real_attn, real_fused
     b.drop(rids)
     split = {k: v / steps for k, v in clock.spent.items()}
     split["rest"] = timed / steps - sum(split.values())
@@ -96,7 +95,8 @@ def run(precision: str, steps: int, bandwidth: float) -> dict[str, Any]:
     b.drop(rids)
     nbytes = batch1_bytes(engine)
     out = dict(precision=precision, served=worker.quantization.method, step1=step1, step32=step32, split=split,
-               bytes=nbytes, floor=nbytes / bandwidth, formats=worker.quantization.formats)
+               bytes=nbytes, floor=nbytes / bandwidth, formats=worker.quantization.formats,
+               kernels=worker.quantization.kernels)
     engine.shutdown()
     return out
 
@@ -122,7 +122,7 @@ def main() -> None:
     base = rows[0]
     for r in rows[1:]:
         print(f"\n{r['precision']} against none: batch 1 {base['step1'] / r['step1']:.2f}x, "
-              f"batch 32 {base['step32'] / r['step32']:.2f}x faster; weights: "
+              f"batch 32 {base['step32'] / r['step32']:.2f}x faster; native kernels: {r['kernels']}; weights: "
               + "; ".join(f"{k}: {v}" for k, v in r["formats"].items()))
 
 

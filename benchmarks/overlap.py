@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after site-packages: kernels/ must not shadow the installed `kernels`
 from benchmarks.machine import measure  # noqa: E402
 from radixlm.runtime.local_engine import LocalEngine  # noqa: E402
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after site-packages: kernels/ must not shadow the installed `kernels`
 from benchmarks.machine import cpu_info  # noqa: E402
 from radixlm.runtime.hf_reference import load_hf_model  # noqa: E402
 from radixlm.runtime.local_engine import LocalEngine  # noqa: E402

@@ -24,7 +24,7 @@ import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
+sys.path.append(ROOT)  # after site-packages: kernels/ must not shadow the installed `kernels`
 from radixlm.runtime.args import ServerArgs  # noqa: E402
 from radixlm.runtime.launch import free_port, start_replica, wait_until_serving  # noqa: E402
 

@@ -70,7 +70,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-sys.path.insert(0, ROOT)
+sys.path.append(ROOT)  # after site-packages: kernels/ must not shadow the installed `kernels`
 import radixlm as rl  # noqa: E402
 from radixlm.lang.backends.base import Call  # noqa: E402
 from machine import FEATURES, cpu_info  # noqa: E402

@@ -42,7 +42,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
+sys.path.append(ROOT)  # after site-packages: kernels/ must not shadow the installed `kernels`
 from radixlm.runtime.launch import free_port, wait_until_serving  # noqa: E402
 
 SYSTEM_PROMPTS = [

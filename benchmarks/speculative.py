@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after site-packages: kernels/ must not shadow the installed `kernels`
 from benchmarks.machine import measure  # noqa: E402
 from benchmarks.workloads import no_sharing  # noqa: E402
 from radixlm.runtime.local_engine import LocalEngine  # noqa: E402

@@ -11,13 +11,23 @@
         s += rl.assistant(rl.gen("answer", max_tokens=64))
 
 The packages: `radixlm.runtime` (processes, scheduler, model worker, servers), `radixlm.kernels`
-(Triton attention) and `radixlm.lang` (the language, re-exported here, so SGLang programs run with
+(Triton attention, and the native CPU library in `radixlm.kernels.cpu`) and `radixlm.lang` (the language, re-exported here, so SGLang programs run with
 `import radixlm as sgl`).
 """
 
+import os
+import sys
 from importlib import import_module
 
 __version__ = "0.1.0"
+
+# Run from this repository's folder (`python -m`, `python -c`, a runtime process started by `-m`
+# from here), Python puts the folder first on sys.path, where its kernels/ would shadow the
+# installed `kernels` package that transformers imports. radixlm is installed (its folders are
+# mapped into `radixlm`), so it takes that entry off on import, before anything loads transformers.
+_REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isfile(os.path.join(_REPOSITORY, "kernels", "cpu", "build.py")):  # a source checkout, not site-packages
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _REPOSITORY]
 
 # What `radixlm.<name>` gives, and from where. Imported on first use, so `import radixlm.runtime...`
 # (every runtime process does) loads neither the language nor the engines.

@@ -10,7 +10,7 @@ from typing import Any
 from radixlm.runtime.reasoning import reasoning_format
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof")
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("torch", "native", "triton")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 QUANT_GROUP_SIZES = (32, 64, 128, 256)
 GRAMMAR_BACKENDS = ("outlines", "llguidance", "xgrammar")
@@ -26,9 +26,10 @@ class ServerArgs:
         "help": "auto (the checkpoint's weights) or dummy (random weights of the config's shape, for benchmarks)"})
     dtype: str = field(default="auto", metadata={"help": "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16"})
     quantization: str = field(default="auto", metadata={
-        "help": "weights served as: auto (a GGUF file's own Q4_0/Q4_1/Q4_K codes as int4 and Q8_0 as int8, where those "
-                "kernels beat fp32 on this CPU; dense checkpoints stay dense), none (dequantized to --dtype), "
-                "int8 (per output row) or int4 (in groups, see --quantization-group-size); CPU only"})
+        "help": "weights served as: auto (a GGUF file's own Q4_0/Q4_1/Q4_K/Q8_0 codes on radixlm's native CPU "
+                "kernels, built on first use; dense checkpoints stay dense), none (dequantized to --dtype: HF's exact "
+                "arithmetic, no native code), int8 (groups of 32) or int4 (in groups, see --quantization-group-size); "
+                "CPU only"})
     quantization_group_size: int = field(default=32, metadata={
         "help": "columns per int4 scale and zero point for --quantization int4 (32, 64, 128 or 256)"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
@@ -80,7 +81,9 @@ class ServerArgs:
     cuda_graph_max_bs: int = field(default=160, metadata={
         "help": "decode steps of up to this many requests replay a CUDA graph captured per batch-size bucket (CUDA only)"})
     disable_cuda_graph: bool = field(default=False, metadata={"help": "run every decode step eagerly on CUDA"})
-    attention_backend: str = field(default="auto", metadata={"help": "torch or triton (auto: torch on CPU, triton on CUDA)"})
+    attention_backend: str = field(default="auto", metadata={
+        "help": "torch, native (radixlm's CPU kernels: rotary, K/V store and decode attention fused) or triton "
+                "(auto: triton on CUDA; on CPU native where the weights are served on the native kernels, else torch)"})
     linear_kernel: str = field(default="auto", metadata={
         "help": "the CPU matmul kernel: torch (F.linear, MKL), onednn, or auto (the faster on this CPU, timed at start)"})
     deterministic: bool = field(default=False, metadata={

@@ -6,6 +6,12 @@ import sys
 import pytest
 import torch
 
+# `python -m pytest` from the repository root puts the root on sys.path, where kernels/ would shadow
+# the installed `kernels` package that transformers imports: take the root off (radixlm is
+# installed; tests reach benchmarks/ by appending it). Child processes started with `-m` run
+# from another folder for the same reason (helpers.MODULE_CWD).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != ROOT]
 sys.path.insert(0, os.path.dirname(__file__))
 if not torch.cuda.is_available():
     # Triton kernels run on a CPU only in its interpreter, which must be chosen before triton is imported

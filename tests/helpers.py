@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Sequence
+
+# Where test processes started as `python -m ...` run: not the repository root, whose kernels/
+# would shadow the installed `kernels` package that transformers imports (`-m` puts the working
+# folder first on sys.path).
+MODULE_CWD = tempfile.gettempdir()
 
 
 def common_prefix(a: Sequence, b: Sequence) -> int:

@@ -8,9 +8,10 @@ does not take its fastest paths there. So the worker times both on the model's o
 runs the faster; `--linear-kernel` forces one. They sum in different orders, so results differ
 in the last bits (the HF oracle's tolerance covers it).
 
-Under `--deterministic`, every call runs in tiles of exactly INVARIANT_ROWS rows (the last one
-zero-padded): one GEMM of one shape per tile, so the kernel, and so its summation order, never
-changes with how many tokens share the step.
+Under `--deterministic`, every call on dense weights runs in tiles of exactly INVARIANT_ROWS rows
+(the last one zero-padded): one GEMM of one shape per tile, so the kernel, and so its summation
+order, never changes with how many tokens share the step. Quantized weights need no tiles: their
+native kernel sums each output in one order whatever the batch (quant.py).
 """
 
 from __future__ import annotations
@@ -78,14 +79,9 @@ _RUN = {"torch": F.linear, "onednn": _onednn}
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b for x [rows, in], with the current mode's kernel."""
     mode = _mode.get()
-    if isinstance(weight, QuantizedMatrix):
-        if not mode.invariant:
-            return weight.matmul(x, bias, mode.plan)
-
-        def run(x: torch.Tensor, w: QuantizedMatrix, b: torch.Tensor | None) -> torch.Tensor:
-            return w.matmul(x, b, mode.plan)
-    else:
-        run = _RUN[mode.kernel]
+    if isinstance(weight, QuantizedMatrix):  # batch invariant on its codes (the invariant plan reads only them)
+        return weight.matmul(x, bias, mode.plan)
+    run = _RUN[mode.kernel]
     if not mode.invariant:
         return run(x, weight, bias)
     rows = x.shape[0]

@@ -149,18 +149,53 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_gather_last_dim(local)[..., : self.vocab_size]
 
 
+def use_native_ops(model: nn.Module) -> None:
+    """Run the model's norms (with their residual adds) and SiLU-mul on the native CPU kernels
+    (kernels/cpu): one call each instead of several torch ops. The worker turns this on where
+    the weights are served on those kernels; `--quantization none` keeps torch's ops, which
+    equal HF's bit for bit."""
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, SiluMul)):
+            m.native = True
+
+
 class RMSNorm(nn.Module):
+    """x / rms(x) * weight; `forward(x, residual)` first adds x into `residual` in place and
+    normalizes the sum (the decoder's residual stream, one op on the native path)."""
+
+    native = False
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = _param((dim,), _copy_loader)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.native and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+            from radixlm.kernels import cpu
+
+            return cpu.rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = residual.add_(x)
         if x.dtype == torch.float32:  # one fused op, bit for bit the same as the lines below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+class SiluMul(nn.Module):
+    """silu(gate) * up for [tokens, 2 * inner] (gate first)."""
+
+    native = False
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.native and gate_up.dtype == torch.float32 and gate_up.is_contiguous():
+            from radixlm.kernels import cpu
+
+            return cpu.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 def _copy_loader(param: nn.Parameter, loaded: Weight, shard: int = 0) -> None:

@@ -174,9 +174,10 @@ class GGUFTensor:
         layout = _BLOCK_LAYOUTS[self.format]
         codes = self._read(rows, cols, layout.codes)
         a, b = self._whole_heads(rows)
-        groups = slice(c0 // GROUP, -(-c1 // GROUP))
+        groups = slice(c0 // layout.group, -(-c1 // layout.group))
         scale, zero = (self._trim(part[:, groups], rows) for part in layout.scale_zero(self._t.data[a:b]))
-        return Blocks(*(torch.from_numpy(np.ascontiguousarray(t)) for t in (codes, scale, zero)), layout.bits, GROUP)
+        return Blocks(*(torch.from_numpy(np.ascontiguousarray(t)) for t in (codes, scale, zero)), layout.bits,
+                      layout.group)
 
     def _read(self, rows: slice, cols: slice, decode: Any) -> np.ndarray:
         """Rows `rows`, columns `cols` of what `decode` makes of the quant blocks that cover them."""
@@ -204,15 +205,13 @@ class GGUFTensor:
         return w[r0 - a : r1 - a]
 
 
-GROUP = 32  # columns per scale and zero point in every format below (a K-quant's sub-block)
-
-
 class _BlockLayout(NamedTuple):
     """Where a GGUF block format keeps its codes, scale and zero point (w = scale * code + zero)."""
 
-    bits: int
+    bits: int  # as served: 4, or 8 for wider codes (5 and 6 bits fit int8)
     codes: Any  # [rows, blocks * bytes per block] -> [rows, columns] codes
-    scale_zero: Any  # [rows, blocks * bytes per block] -> ([rows, columns / GROUP] scale, same zero), fp32
+    scale_zero: Any  # [rows, blocks * bytes per block] -> ([rows, columns / group] scale, same zero), fp32
+    group: int = 32  # columns per scale and zero point (a K-quant's sub-block)
 
 
 def _fp16_at(data: np.ndarray, size: int, at: int) -> np.ndarray:
@@ -236,17 +235,50 @@ def _q4_k_codes(data: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(rows, -1)
 
 
-def _q4_k_scale_zero(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K's eight sub-blocks of 32 per block: scale d * sc, zero -dmin * m, with sc and m the
-    6-bit values gguf's own Q4_K.get_scale_min unpacks."""
+def _k_scale_zero(data: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's eight sub-blocks of 32 per block (`size` bytes): scale d * sc, zero
+    -dmin * m, with sc and m the 6-bit values gguf's own Q4_K.get_scale_min unpacks."""
     from gguf.quants import Q4_K
 
     rows = data.shape[0]
-    blocks = data.reshape(-1, 144)
+    blocks = data.reshape(-1, size)
     sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
     d = np.ascontiguousarray(blocks[:, 0:2]).view(np.float16).astype(np.float32)
     dmin = np.ascontiguousarray(blocks[:, 2:4]).view(np.float16).astype(np.float32)
     return (d * sc).reshape(rows, -1), (-dmin * m).reshape(rows, -1)
+
+
+def _q5_k_codes(data: np.ndarray) -> np.ndarray:
+    """Q5_K's 5-bit codes: per 256-column block, after d, dmin and 12 bytes of scales, 32 bytes of
+    high bits (bit j of byte i: column 32j + i) and 128 of low nibbles laid out as Q4_K's."""
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, 176)
+    qh = blocks[:, :, 16:48].reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+    ql = blocks[:, :, 48:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    q = (ql & 0x0F).reshape(rows, -1, 8, 32) | ((qh & 1).reshape(rows, -1, 8, 32) << 4)
+    return q.reshape(rows, -1).astype(np.int8)
+
+
+def _q6_k_codes(data: np.ndarray) -> np.ndarray:
+    """Q6_K's 6-bit codes less 32: per 256-column block, 128 bytes of low nibbles, 64 of high bit
+    pairs, then 16 int8 scales and d (gguf's own Q6_K.dequantize_blocks reads them so)."""
+    rows = data.shape[0]
+    blocks = data.reshape(-1, 210)
+    ql = blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    ql = (ql & 0x0F).reshape(-1, 8, 32)
+    qh = blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    qh = (qh & 0x03).reshape(-1, 8, 32)
+    return ((ql | (qh << 4)).astype(np.int16) - 32).astype(np.int8).reshape(rows, -1)
+
+
+def _q6_k_scale_zero(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K's sixteen sub-blocks of 16 per block: scale d * sc (int8 sc), no zero point."""
+    rows = data.shape[0]
+    blocks = data.reshape(-1, 210)
+    sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
+    d = np.ascontiguousarray(blocks[:, 208:210]).view(np.float16).astype(np.float32)
+    scale = (d * sc).reshape(rows, -1)
+    return scale, np.zeros_like(scale)
 
 
 _BLOCK_LAYOUTS = {
@@ -257,7 +289,11 @@ _BLOCK_LAYOUTS = {
     "Q4_1": _BlockLayout(4, lambda data: _nibbles(data, 20, 4),
                          lambda data: (_fp16_at(data, 20, 0), _fp16_at(data, 20, 2))),
     # Q4_K: 256 columns a block, d and dmin (fp16), 12 bytes of 6-bit scales and mins, 128 of nibbles
-    "Q4_K": _BlockLayout(4, _q4_k_codes, _q4_k_scale_zero),
+    "Q4_K": _BlockLayout(4, _q4_k_codes, lambda data: _k_scale_zero(data, 144)),
+    # Q5_K: as Q4_K with a fifth bit per code (32 bytes of them before the nibbles): 8-bit codes 0..31
+    "Q5_K": _BlockLayout(8, _q5_k_codes, lambda data: _k_scale_zero(data, 176)),
+    # Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d; w = d * sc * (q - 32)
+    "Q6_K": _BlockLayout(8, _q6_k_codes, _q6_k_scale_zero, group=16),
     # Q8_0: d (fp16), 32 int8 codes; w = d * q
     "Q8_0": _BlockLayout(8, lambda data: data.reshape(data.shape[0], -1, 34)[:, :, 2:].view(np.int8)
                          .reshape(data.shape[0], -1),

@@ -18,6 +18,7 @@ from radixlm.runtime.worker.attention.base import AttentionBackend
 from radixlm.runtime.worker.cuda_graph import DecodeGraphRunner
 from radixlm.runtime.worker.draft_model import DraftModel
 from radixlm.runtime.worker.forward_batch import FUTURE_BASE, ForwardBatch, WorkerBatch
+from radixlm.runtime.worker.layers import use_native_ops
 from radixlm.runtime.worker.loader import iter_weights
 from radixlm.runtime.worker.models.llama import ARCHITECTURES
 from radixlm.runtime.worker.parallel import SINGLE, TPContext, receive_batch, send_batch
@@ -134,9 +135,11 @@ class ModelWorker:
         asked = (self.args.quantization, self.args.quantization_group_size)
         done: quant.Summary | None = getattr(model, "quantization", None)
         if done is None:
-            done = quant.quantize_model(model, *asked, invariant_rows=gemm.INVARIANT_ROWS)
-            log.info("weights: %s, %.1f MB (%s)", done.method, done.weight_bytes / 1e6,
-                     "; ".join(f"{k}: {v}" for k, v in done.formats.items()))
+            done = quant.quantize_model(model, *asked)
+            if done.kernels != "none":
+                use_native_ops(model)
+            log.info("weights: %s, %.1f MB (%s); native CPU kernels: %s", done.method, done.weight_bytes / 1e6,
+                     "; ".join(f"{k}: {v}" for k, v in done.formats.items()), done.kernels)
         elif done.requested != asked:
             raise ValueError(f"the shared model is served as --quantization {done.requested[0]} "
                              f"(group {done.requested[1]}), not {asked[0]} (group {asked[1]})")
@@ -206,7 +209,14 @@ class ModelWorker:
             return InvariantAttention()
         name = self.args.attention_backend
         if name == "auto":
-            name = "triton" if self.device.type == "cuda" else "torch"
+            native = self.quantization.kernels != "none" and self.dtype == torch.float32
+            name = "triton" if self.device.type == "cuda" else ("native" if native else "torch")
+        if name == "native":
+            if self.device.type != "cpu" or self.dtype != torch.float32:
+                raise ValueError("--attention-backend native runs on CPU with float32 activations")
+            from radixlm.runtime.worker.attention.native_backend import NativeAttention
+
+            return NativeAttention()
         if name == "torch":
             from radixlm.runtime.worker.attention.torch_backend import TorchAttention
 
@@ -274,7 +284,7 @@ class ModelWorker:
         """How the weights are served and the bytes they hold now (this rank's share), kernels'
         own layouts included."""
         q = self.quantization
-        return {"served_quantization": q.method, "weight_formats": q.formats,
+        return {"served_quantization": q.method, "weight_formats": q.formats, "cpu_kernels": q.kernels,
                 "weight_bytes": quant.weight_bytes(self.model)}
 
     def usable_after_fault(self) -> bool:

@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_micro_benchmarks_quick():
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "micro.py"), "--quick"],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ))  # no PYTHONPATH: kernels/ would shadow the installed `kernels`
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
     for title in ("## Radix cache", "## Scheduler overhead", "## This machine", "## SmolLM2-135M",
@@ -27,7 +27,7 @@ def test_micro_benchmarks_quick():
 
 def test_step_cost_quick():
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "step_cost.py"), "--quick"],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ))  # no PYTHONPATH: kernels/ would shadow the installed `kernels`
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
     assert re.search(r"^CPU: .+, \d+ cores", out, re.M) and "GFLOP/s" in out
@@ -41,15 +41,15 @@ def test_step_cost_quick():
 
 def test_quant_kernels_quick():
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "quant_kernels.py"), "--quick"],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ))  # no PYTHONPATH: kernels/ would shadow the installed `kernels`
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = dict(re.findall(r"^\| (fp32 F.linear|int4 bf16|int4 fp32|int8 bf16|int8 fp32) \| (.+) \|$", done.stdout, re.M))
-    assert set(rows) == {"fp32 F.linear", "int4 bf16", "int4 fp32", "int8 bf16", "int8 fp32"}, done.stdout
+    rows = dict(re.findall(r"^\| (fp32 F.linear|int[48] codes \w+) \| (.+) \|$", done.stdout, re.M))
+    assert {"fp32 F.linear", "int4 codes portable", "int8 codes portable"} <= set(rows), done.stdout
     for name, cells in rows.items():
         *times, error = (c.strip() for c in cells.split("|"))
         assert all(float(t) > 0 for t in times), (name, times)
-        # each kernel against the same quantized weights in fp32: only its own rounding (bf16 inputs) differs
-        assert float(error) < (5e-2 if "bf16" in name else 1e-4), (name, error)
+        # each kernel against the same quantized weights in fp32: only its own rounding (16-bit inputs) differs
+        assert float(error) < 1e-3, (name, error)
 
 
 def test_quality_quick(tmp_path):
@@ -91,7 +91,7 @@ def test_run_all_quick(tmp_path):
     systems = ["radixlm", "radixlm no-jump-forward", "hf-static"]
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "run_all.py"), "--quick",
                            "--systems", ",".join(systems), "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": ROOT})
+                          capture_output=True, text=True, timeout=900, env=dict(os.environ))  # no PYTHONPATH: kernels/ would shadow the installed `kernels`
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "summary.json").read_text())["results"]
     by = {(r["workload"], r["system"]): r for r in results}
@@ -120,7 +120,7 @@ def test_run_all_quick(tmp_path):
 
 def test_grammar_backends_quick():
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "grammar_backends.py"), "--quick"],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ))  # no PYTHONPATH: kernels/ would shadow the installed `kernels`
     assert done.returncode == 0, done.stderr[-2000:]
     rows = re.findall(r"^\| (\w+) \| (json|tools) \|((?: [\d.]+ \|){8})$", done.stdout, re.M)
     assert [(b, w) for b, w, _ in rows] == [(b, w) for b in ("outlines", "llguidance", "xgrammar")
@@ -131,7 +131,7 @@ def test_grammar_backends_quick():
 def test_speculative_quick():
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "speculative.py"), "--quick",
                            "--methods", "ngram", "--workloads", "code editing,random 32 streams"],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ))  # no PYTHONPATH: kernels/ would shadow the installed `kernels`
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
     assert re.search(r"^CPU: .+, \d+ cores", out, re.M) and "GB/s" in out
@@ -145,7 +145,7 @@ def test_speculative_quick():
 
 def test_kv_tier_quick():
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kv_tier.py"), "--quick"],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ))  # no PYTHONPATH: kernels/ would shadow the installed `kernels`
     assert done.returncode == 0, done.stderr[-2000:]
     rows = dict(re.findall(r"^\| (without the tier|with the tier) \| (.+) \|$", done.stdout, re.M))
     assert set(rows) == {"without the tier", "with the tier"}, done.stdout

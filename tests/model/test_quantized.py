@@ -13,7 +13,7 @@ from helpers import assert_drained
 from radixlm.runtime.local_engine import LocalEngine
 from radixlm.runtime.worker.quant import Plan
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.append(os.path.join(os.path.dirname(__file__), "..", ".."))  # after site-packages (kernels/)
 from benchmarks.quality import hf_logprobs, make_text, score  # noqa: E402
 
 
@@ -33,16 +33,16 @@ def text(smol):
 def test_auto_serves_the_files_own_codes(served, smol):
     info = served.worker.weights_info()
     assert info["served_quantization"] == "int4"
-    assert info["weight_formats"]["layers"] == "int4 g32: the file's Q4_1 codes, scales in bf16"
-    assert info["weight_formats"]["embedding and LM head"] == "int8 g32: the file's Q8_0 codes, scales in bf16"
+    assert info["weight_formats"]["layers"] == "int4 g32: the file's Q4_1 codes"
+    assert info["weight_formats"]["embedding and LM head"] == "int8 g32: the file's Q8_0 codes"
+    assert info["cpu_kernels"] in ("portable", "avx2")  # the best path this CPU runs, from its flags
     dense = smol.engine.worker.weights_info()
-    assert dense["served_quantization"] == "none"
+    assert dense["served_quantization"] == "none" and dense["cpu_kernels"] == "none"
     assert dense["weight_formats"]["layers"] == "dense float32 (dequantized from Q4_1)"
-    assert info["weight_bytes"] < 0.9 * dense["weight_bytes"]  # codes, with dense copies for prefill-sized batches
-    v, k = 49152, 576  # the table: int8 codes and fp32 scales for lookups, two nibble planes with bf16 scale/zero
-    assert served.worker.model.embed_tokens.weight.code_bytes == v * k + v * k // 32 * 4 + 2 * (v * k // 2 + v * k // 32 * 4)
-    down = served.worker.model.layers[0].mlp.down_proj.weight  # [576, 1536]: half a byte a weight, 4 bytes a group
-    assert down.code_bytes == 576 * 1536 // 2 + 576 * 1536 // 32 * 4
+    v, k = 49152, 576  # the table: int8 codes and the file's fp16 scales, nothing else
+    assert served.worker.model.embed_tokens.weight.code_bytes == v * k + v * k // 32 * 2
+    down = served.worker.model.layers[0].mlp.down_proj.weight  # [576, 1536]: half a byte a weight, fp16 d and m
+    assert down.code_bytes == 576 * 1536 // 2 + 576 * 1536 // 32 * 4  # Q4_1's own 20 bytes per 32 weights
 
 
 @pytest.mark.parametrize("kernel", ["codes", "served plan"])
@@ -105,9 +105,8 @@ def test_tensor_parallel_ranks_serve_their_slices_of_the_codes(served):
         split = engine.generate(**kwargs)
     a = [lp for lp, *_ in single["meta_info"]["input_token_logprobs"][1:]]
     b = [lp for lp, *_ in split["meta_info"]["input_token_logprobs"][1:]]
-    # partial sums of three ranks, each rounded to bf16; and each engine times its own plan at start,
-    # so a 13-token prefill may run on the codes in one and on the dense copy in the other (seen:
-    # 0.107). A rank serving the wrong slice of a matrix is off by whole nats.
+    # partial sums of three ranks, each on its own activations' int8 blocks (a 13-token prefill
+    # runs on the dense copies in both). A rank serving the wrong slice of a matrix is off by whole nats.
     assert max(abs(x - y) for x, y in zip(a, b)) < 0.3
     assert single["output_ids"][0] == split["output_ids"][0]
 
@@ -157,8 +156,8 @@ def test_any_checkpoint_quantizes(tiny_llama, tiny_hf_int4, method, dtype):
         hf = tiny_llama.hf if method == "int8" else tiny_hf_int4
         with torch.inference_mode():
             ref = hf_logprobs(hf, prompt)[:-1].gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
-        # int8's per-row rounding; for int4 the table's int8 rows, bf16 activations and scales
-        # measured 0.011-0.017 (fp32) and 0.052 (bf16); int4 against the wrong oracle (HF's own weights): 0.2
+        # int8's rounding per group; for int4 the table's int8 groups and the activations' int8 blocks
+        # (and bf16 between the matmuls); int4 against the wrong oracle (HF's own weights): 0.2
         bound = {"float32": 0.03, "bfloat16": 0.1}[dtype]
         assert (ours - ref).abs().mean() < bound, (ours - ref).abs().mean()
         assert_drained(engine)
@@ -166,22 +165,23 @@ def test_any_checkpoint_quantizes(tiny_llama, tiny_hf_int4, method, dtype):
         engine.shutdown()
 
 
-def test_auto_keeps_dense_weights_where_the_codes_are_not_faster(smol, monkeypatch):
-    """On a CPU where the int4 kernel loses to fp32 at batch 1 (no AVX-512 bf16, say), auto
-    dequantizes: the timing decides, not the file."""
+def test_without_native_kernels_auto_serves_dense_and_int4_says_why(smol, monkeypatch):
+    """Where the native kernels cannot be built (no compiler, say), auto serves the file dense and
+    --quantization int4 is refused naming the cause; --quantization none never needs them."""
     import torch
 
     from radixlm.runtime.worker import quant
 
-    slow = quant.Timing(quant.PLAN_ROWS, codes=(9.0,) * 6, dense={torch.float32: (1.0,) * 6})
-    monkeypatch.setattr(quant, "time_layer", lambda sample: slow)
+    monkeypatch.setattr(quant, "native_kernels", lambda: None)
     engine = LocalEngine(smol.path, tokenizer=smol.engine.tokenizer, max_total_tokens=2048)
     try:
         info = engine.worker.weights_info()
-        assert info["served_quantization"] == "none"
+        assert info["served_quantization"] == "none" and info["cpu_kernels"] == "none"
         assert info["weight_formats"] == {"layers": "dense float32 (dequantized from Q4_1)",
                                           "embedding and LM head": "dense float32 (dequantized from Q8_0)"}
         assert all(isinstance(p, torch.nn.Parameter) for p in (engine.worker.model.lm_head.weight,
                                                                engine.worker.model.layers[0].mlp.down_proj.weight))
     finally:
         engine.shutdown()
+    with pytest.raises(ValueError, match="needs radixlm's native CPU kernels"):
+        LocalEngine(smol.path, tokenizer=smol.engine.tokenizer, max_total_tokens=2048, quantization="int4")

@@ -11,6 +11,8 @@ import time
 
 import httpx
 import pytest
+
+from helpers import MODULE_CWD
 import torch
 
 from conftest import NEW_TOKENS
@@ -55,7 +57,7 @@ def test_prompt_logprobs_agree_with_tp1(tiny_llama):
 
 def _serve(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "radixlm.runtime.cli", "serve", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=MODULE_CWD)
 
 
 def test_two_nodes_over_loopback_equal_hf(tiny_llama):

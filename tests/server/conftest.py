@@ -10,6 +10,7 @@ import time
 
 import httpx
 
+from helpers import MODULE_CWD
 from radixlm.runtime.launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,7 +43,8 @@ class LiveServer:
         cmd = [sys.executable, *launcher, "serve", "--port", str(self.port), "--max-total-tokens", "30000", *extra]
         self.log_path = f"/tmp/radixlm-test-server-{self.port}.log"
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, cwd=MODULE_CWD, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 300) -> None:

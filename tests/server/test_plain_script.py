@@ -28,7 +28,7 @@ def test_readme_example_runs_as_a_plain_script(tmp_path):
     script = tmp_path / "example.py"
     script.write_text(code + '\nprint("DONE", out["meta_info"]["completion_tokens"])\n')
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": ROOT})
+                          env=dict(os.environ))  # no PYTHONPATH: kernels/ would shadow the installed `kernels`
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"^DONE [1-8]$", done.stdout, re.M), done.stdout[-2000:]  # the last call's tokens (max 8)
     assert "Paris" in done.stdout  # `print(out["text"], ...)` of "The capital of France is"

@@ -12,7 +12,8 @@ import sys
 import httpx
 import pytest
 
-from server.conftest import ROOT, LiveServer, free_port
+from helpers import MODULE_CWD
+from server.conftest import LiveServer, free_port
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def start_router(urls: list[str], policy: str) -> tuple[str, subprocess.Popen]:
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "radixlm.runtime.cli", "router", "--worker-urls", *urls, "--policy", policy,
-                             "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--port", str(port)], cwd=MODULE_CWD, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     wait_until_serving(url, proc, timeout=60)
     return url, proc

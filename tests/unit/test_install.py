@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -34,6 +35,9 @@ def test_an_installed_copy_has_one_import_name(tmp_path):
     # the web page's static files travel with the package (package-data)
     static = target / "radixlm" / "runtime" / "server" / "static"
     assert sorted(p.name for p in static.iterdir()) == ["app.js", "index.html", "style.css"]
+    # and the native kernels' C++ sources, built on the machine that runs them
+    csrc = sorted(p.name for p in (target / "radixlm" / "kernels" / "cpu" / "csrc").iterdir())
+    assert csrc == sorted(p.name for p in (Path(ROOT) / "kernels" / "cpu" / "csrc").iterdir()), csrc
     # run from elsewhere, so neither the repository nor its editable install can answer for it
     env = {**os.environ, "PYTHONPATH": str(target)}
     out = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, env=env, capture_output=True, text=True,

@@ -10,7 +10,8 @@ from radixlm.runtime.args import ServerArgs
 from radixlm.runtime.worker import quant
 from radixlm.runtime.worker.loader import GGUFTensor
 
-BF16 = torch.bfloat16
+# K-quant block bytes, where its fp16 scales start and how many: d and dmin first, or Q6_K's d last
+K_QUANTS = {"Q4_K": (144, 0, 2), "Q5_K": (176, 0, 2), "Q6_K": (210, 208, 1)}
 
 
 def _gguf_tensors(tmp_path, kinds: tuple[str, ...], rows: int = 32, cols: int = 128):
@@ -23,9 +24,10 @@ def _gguf_tensors(tmp_path, kinds: tuple[str, ...], rows: int = 32, cols: int = 
     writer = gguf.GGUFWriter(path, "llama")
     for kind in kinds:
         qtype = gguf.GGMLQuantizationType[kind]
-        if kind == "Q4_K":  # gguf cannot quantize to it: random blocks, with sane fp16 d and dmin
-            raw = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
-            raw[:, :, 0:4] = (rng.random((rows, cols // 256, 2)) * 0.01).astype(np.float16).view(np.uint8)
+        if kind in K_QUANTS:  # gguf cannot quantize to them: random blocks, with sane fp16 d (and dmin)
+            size, at, count = K_QUANTS[kind]
+            raw = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+            raw[:, :, at : at + 2 * count] = (rng.random((rows, cols // 256, count)) * 0.01).astype(np.float16).view(np.uint8)
             writer.add_tensor(kind.lower(), raw.reshape(rows, -1), raw_dtype=qtype)
             continue
         data = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
@@ -39,17 +41,18 @@ def _gguf_tensors(tmp_path, kinds: tuple[str, ...], rows: int = 32, cols: int = 
             for t in reader.tensors}
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0"])
 def test_gguf_blocks_are_the_files_own_values(tmp_path, kind):
-    cols = 512 if kind == "Q4_K" else 128  # a K-quant block spans 256 columns
+    cols = 512 if kind in K_QUANTS else 128  # a K-quant block spans 256 columns
     raw, dense = _gguf_tensors(tmp_path, (kind,), cols=cols)[kind]
     t = GGUFTensor(raw)
     assert t.has_blocks and t.format == kind
     whole = t.blocks(slice(None), slice(None))
-    assert whole.bits == (8 if kind == "Q8_0" else 4) and whole.group == 32
-    assert whole.codes.min() >= (-128 if kind == "Q8_0" else 0) and whole.codes.max() <= (127 if kind == "Q8_0" else 15)
+    bits, group, low, high = {"Q8_0": (8, 32, -128, 127), "Q5_K": (8, 32, 0, 31), "Q6_K": (8, 16, -32, 31)}.get(kind, (4, 32, 0, 15))
+    assert whole.bits == bits and whole.group == group
+    assert whole.codes.min() >= low and whole.codes.max() <= high
     assert torch.equal(whole.dequantize(), torch.from_numpy(dense))  # bit for bit gguf's own dequantization
-    edge = 256 if kind == "Q4_K" else 32
+    edge = 256 if kind in K_QUANTS else 32
     part = t.blocks(slice(5, 17), slice(edge, 2 * edge))  # a tensor-parallel rank's rows and columns
     assert torch.equal(part.dequantize(), torch.from_numpy(dense[5:17, edge : 2 * edge]))
     assert t.blocks(slice(None), slice(16, 64)) is None  # columns off the block edges: no codes
@@ -66,22 +69,25 @@ def _blocks4(rows: int, cols: int, group: int) -> quant.Blocks:
     return quant.Blocks.int4_from(torch.randn(rows, cols) * 0.05, group)
 
 
-def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    # the kernels return bf16: each output within bf16's rounding of its magnitude (plus sums' order)
-    err = (got.float() - want).abs()
-    assert float((err / (want.abs() + 1e-3)).max()) < 2e-2, float(err.max())
+def _served_exactly(m: quant.QuantizedMatrix, values: torch.Tensor) -> None:
+    """m serves exactly `values` (its codes dequantized), and multiplies by them: against the
+    float64 product with the kernel's own quantized activations."""
+    from radixlm.kernels.cpu import reference
+
+    assert torch.equal(m.dequantize(), values)
+    x = torch.randn(5, values.shape[1])
+    q, d, _ = reference.quantize_activations(x)
+    xq = (q.double().view(5, -1, 32) * d.double()[..., None]).view(5, -1)
+    want = xq @ values.double().T
+    assert (m.kernel(x) - want).abs().max() < 1e-5 * want.abs().max()
 
 
 @pytest.mark.parametrize("group", [32, 64])
-def test_int4_kernel_multiplies_by_the_codes(group):
+def test_int4_codes_are_served_as_they_are(group):
     blocks = _blocks4(96, 256, group)
-    m = quant.Int4Matrix(blocks)
-    # the oracle: the same codes with the kernel's bf16 scale and zero, in fp32
-    scale = blocks.scale.to(BF16).float()
-    zero = (blocks.zero + 8 * blocks.scale).to(BF16).float() - 8 * scale
-    w = quant.Blocks(blocks.codes, scale, zero, 4, group).dequantize()
-    x = torch.randn(5, 256).to(BF16)
-    _close(m.kernel(x), x.float() @ w.t())
+    m = quant.QuantizedMatrix(blocks)
+    assert m.bits == 4 and m.codes.shape == (96, 128)
+    _served_exactly(m, blocks.dequantize())
     # and the codes are Q4_1's rule: every group's min and max come back (to rounding)
     assert (blocks.dequantize() - _blocks4(96, 256, group).dequantize()).abs().max() == 0
 
@@ -93,58 +99,44 @@ def test_int4_from_recovers_q4_1_codes(tmp_path):
     assert (again.dequantize() - file.dequantize()).abs().max() < 1e-6
 
 
-def test_group_int8_serves_q8_0_exactly(tmp_path):
-    raw, dense = _gguf_tensors(tmp_path, ("Q8_0",))["Q8_0"]
-    blocks = GGUFTensor(raw).blocks(slice(None), slice(None))
-    m = quant.GroupInt8Matrix(blocks)
-    # the oracle: the file's codes times their scale rounded to bf16 (the kernel's)
-    w = quant.Blocks(blocks.codes, blocks.scale.to(BF16).float(), blocks.zero, 8, 32).dequantize()
-    x = torch.randn(3, 128).to(BF16)
-    _close(m.kernel(x), x.float() @ w.t())
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0"])
+def test_gguf_codes_are_served_exactly(tmp_path, kind):
+    cols = 512 if kind in K_QUANTS else 128
+    raw, dense = _gguf_tensors(tmp_path, (kind,), cols=cols)[kind]
+    m = quant.QuantizedMatrix(GGUFTensor(raw).blocks(slice(None), slice(None)))
+    _served_exactly(m, torch.from_numpy(dense))
+    # the file's fp16 scales stay fp16 (no bandwidth spent on exact values); Q4_K's products need fp32
+    assert m.scale.dtype == (torch.float32 if kind in K_QUANTS else torch.float16)
+    assert (m.zero is None) == (kind in ("Q8_0", "Q6_K")) and m.group == (16 if kind == "Q6_K" else 32)
     ids = torch.tensor([[0, 7], [31, 7]])
-    assert torch.equal(m.embed(ids), w[ids])
+    assert torch.equal(m.embed(ids), torch.from_numpy(dense)[ids])
 
 
-def test_shapes_the_int4_kernel_cannot_take():
-    assert quant.int4_fits(32, 128, 32) and not quant.int4_fits(24, 128, 32) and not quant.int4_fits(32, 100, 32)
-
-
-def test_int8_per_row():
+def test_int8_from_is_q8_0s_rule():
     torch.manual_seed(1)
     w = torch.randn(40, 64)
-    m = quant.Int8Matrix(w)
-    ref = m.codes.float() * m.scale.float()[:, None]
-    assert ((ref - w).abs() <= m.scale.float()[:, None] * 0.5 + 1e-7).all()  # within half a step of its row
-    x = torch.randn(2, 64).to(BF16)
-    _close(m.kernel(x), x.float() @ ref.t())
-    assert torch.equal(m.embed(torch.tensor([3, 39])), ref[[3, 39]])
+    blocks = quant.Blocks.int8_from(w)
+    step = blocks.scale.repeat_interleave(32, 1)
+    assert ((blocks.dequantize() - w).abs() <= step * 0.5 + 1e-7).all()  # within half a step of its group
+    assert blocks.codes.abs().max() == 127
+    _served_exactly(quant.QuantizedMatrix(blocks), blocks.dequantize())
 
 
 def test_matmul_takes_the_dense_copy_above_the_plans_rows():
     blocks = _blocks4(64, 128, 32)
     source = blocks.dequantize()  # the dense copy holds the served values: the codes dequantized
-    m = quant.Int4Matrix(blocks)
+    m = quant.QuantizedMatrix(blocks)
     m.settle(torch.float32)
-    assert m.source is None and m.dense is not None
+    assert m.dense is not None
     x = torch.randn(9, 128)
     exact = x @ source.t()
     dense = m.matmul(x, None, quant.Plan(dense_above=8))  # 9 rows > 8: the fp32 copy
     codes = m.matmul(x, None, quant.Plan())
-    assert (dense - exact).abs().max() < 1e-4
-    assert (codes - exact).abs().max() > 1e-4  # bf16 activations: visibly another kernel
+    assert (dense - exact).abs().max() < 1e-4 and (codes - exact).abs().max() < 1e-3
+    assert torch.equal(codes, m.kernel(x)) and not torch.equal(dense, codes)  # two kernels, two summation orders
+    assert torch.equal(m.matmul(x[:8], None, quant.Plan(dense_above=8)), codes[:8])  # 8 rows: the codes
     bias = torch.randn(64)
     assert torch.allclose(m.matmul(x, bias, quant.Plan(dense_above=8)), dense + bias)
-
-
-def test_plans_switch_at_the_first_row_count_a_dense_copy_wins():
-    fp32, bf16 = torch.float32, torch.bfloat16
-    timing = quant.Timing((1, 4, 16, 64), codes=(1.0, 2.0, 6.0, 20.0),
-                          dense={fp32: (3.0, 3.5, 7.0, 18.0), bf16: (2.0, 2.5, 5.0, 9.0)})
-    plan, invariant, dtype = timing.plans(invariant_rows=16)
-    assert plan == quant.Plan(dense_above=15) and dtype == bf16  # bf16 is faster at prefill's sizes
-    assert invariant == quant.Plan(dense_above=0)  # at 16 rows the dense copy wins: every batch on it
-    slow_dense = quant.Timing((1, 16), codes=(1.0, 2.0), dense={fp32: (3.0, 4.0)})
-    assert slow_dense.plans(invariant_rows=16) == (quant.Plan(), quant.Plan(), None)
 
 
 def test_bad_quantization_options_are_named():

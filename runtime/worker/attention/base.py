@@ -10,6 +10,10 @@ from radixlm.runtime.worker.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):
+    # True where the backend rotates q and k itself (`forward_qkv`): the model then hands it the
+    # qkv projection as it is, and the rotary tables.
+    fuses_rotary = False
+
     @abstractmethod
     def prepare(self, fb: ForwardBatch) -> None:
         """Build per-step metadata (indices, masks) once, before the first layer runs; store it in fb.attn_meta."""
@@ -22,3 +26,10 @@ class AttentionBackend(ABC):
         Each token attends to its request's cached prefix and, causally, to the new
         tokens up to itself. Returns [T, heads, d].
         """
+
+    def forward_qkv(self, qkv: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, heads: int, kv_heads: int,
+                    layer: int, scale: float, fb: ForwardBatch) -> torch.Tensor:
+        """As `forward`, from the qkv projection [T, (heads + 2 kv_heads) d] before rotary (cos2,
+        sin2: the full-width tables by position): rotates q and k (in place), writes k and v to
+        the pool, attends. Returns [T, heads * d]. Only where `fuses_rotary`."""
+        raise NotImplementedError(f"{type(self).__name__} does not fuse rotary")

@@ -91,18 +91,25 @@ class TorchAttention(AttentionBackend):
         out = torch.empty_like(q)
         if d:
             out[:d] = _decode(q[:d], k_pool, v_pool, scale, meta)
-        heads, dim = q.shape[1], q.shape[2]
-        for b in meta.extend:
-            rows = b.kv_slots.shape[0]
-            keys = gather_heads(k_pool, b.index, b.kv_slots.shape).transpose(0, 1)  # [b, kv_heads, K, d]
-            values = gather_heads(v_pool, b.index, b.kv_slots.shape).transpose(0, 1)
-            padded = q.new_zeros(rows * b.max_query, heads, dim)
-            padded[b.query_dest] = q[b.tokens]
-            queries = padded.view(rows, b.max_query, heads, dim).transpose(1, 2)
-            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=b.mask, scale=scale,
-                                               enable_gqa=heads != keys.shape[1])
-            out[b.tokens] = o.transpose(1, 2).reshape(-1, heads, dim)[b.query_dest]
+        extend_attention(q, k_pool, v_pool, scale, meta.extend, out)
         return out
+
+
+def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float,
+                     buckets: list[ExtendBucket], out: torch.Tensor) -> None:
+    """The extend rows' attention (their K/V already in the pool), into out [T, heads, d]: torch's
+    fused attention per length bucket, causal within the new tokens."""
+    heads, dim = q.shape[1], q.shape[2]
+    for b in buckets:
+        rows = b.kv_slots.shape[0]
+        keys = gather_heads(k_pool, b.index, b.kv_slots.shape).transpose(0, 1)  # [b, kv_heads, K, d]
+        values = gather_heads(v_pool, b.index, b.kv_slots.shape).transpose(0, 1)
+        padded = q.new_zeros(rows * b.max_query, heads, dim)
+        padded[b.query_dest] = q[b.tokens]
+        queries = padded.view(rows, b.max_query, heads, dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=b.mask, scale=scale,
+                                           enable_gqa=heads != keys.shape[1])
+        out[b.tokens] = o.transpose(1, 2).reshape(-1, heads, dim)[b.query_dest]
 
 
 def _decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float,

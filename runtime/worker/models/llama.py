@@ -18,6 +18,7 @@ from radixlm.runtime.worker.layers import (
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
+    SiluMul,
     VocabParallelEmbedding,
 )
 from radixlm.runtime.model_config import ModelConfig
@@ -47,6 +48,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fb: ForwardBatch) -> torch.Tensor:
         q_len, kv_len = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)
+        if fb.attn_backend.fuses_rotary and self.q_norm is None:  # rotary, the K/V store and attention in two calls
+            out = fb.attn_backend.forward_qkv(qkv, self.rotary.cos2, self.rotary.sin2, self.num_heads,
+                                              self.num_kv_heads, self.layer_id, self.scale, fb)
+            return self.o_proj(out)
         v = qkv[:, q_len + kv_len:].view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:  # q and k side by side: one rotation for both
             qk = qkv[:, : q_len + kv_len].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -65,10 +70,10 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnLinear(cfg.hidden_size, MergedColumnLinear.even(tp, [cfg.intermediate_size] * 2),
                                                False)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
+        self.act = SiluMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -79,9 +84,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fb: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, fb)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output h, the residual stream before it is added): the next norm adds
+        them, so each residual add rides on a norm. The first layer gets the embeddings as h
+        and no residual."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h = self.input_layernorm(h, residual)
+        h = self.self_attn(h, rope, fb)
+        h = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 # checkpoint name fragment -> (our fused parameter fragment, block index within it)
@@ -108,11 +122,11 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Final hidden states of every token in the batch, [tokens, hidden]."""
-        x = self.embed_tokens(fb.input_ids)
+        h, residual = self.embed_tokens(fb.input_ids), None
         rope = self.rotary.tables(fb.positions)
         for layer in self.layers:
-            x = layer(x, rope, fb)
-        return self.norm(x)
+            h, residual = layer(h, residual, rope, fb)
+        return self.norm(h, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden).float()

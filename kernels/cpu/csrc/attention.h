@@ -1,0 +1,37 @@
+// Rotary with the K/V store, and paged decode attention: per-ISA entry points. The KV pool is
+// head-major, [kv_heads, slots, head_dim] per layer; a request's keys are found through its row
+// of the token table (position -> slot), read in place.
+#pragma once
+
+#include <cstdint>
+
+namespace radixlm {
+
+struct TokenLayout {  // a step's qkv rows: [tokens, (heads + 2 kv_heads) * head_dim], q then k then v
+  float* qkv;
+  int64_t row_stride, heads, kv_heads, head_dim;
+};
+
+struct KVLayer {
+  float* k;
+  float* v;
+  int64_t slots;  // the pool's slots per head
+};
+
+// Rotate token t's q and k heads in place ("rotate half": dimension i pairs with i + d/2, the
+// full-width tables hold each frequency twice) at its position, then write its k and v to the
+// pool at out_slots[t].
+void rope_store_portable(const TokenLayout& x, const int64_t* positions, const float* cos2, const float* sin2,
+                         const KVLayer& kv, const int64_t* out_slots, int64_t t0, int64_t t1);
+void rope_store_avx2(const TokenLayout& x, const int64_t* positions, const float* cos2, const float* sin2,
+                     const KVLayer& kv, const int64_t* out_slots, int64_t t0, int64_t t1);
+
+// One decode row's attention for one KV head: its `group` query heads over keys at `slots[0..len)`.
+// Scores, then max, exp and their sum, then the values weighted, each in key order: the same
+// order whatever the batch. out: [group, head_dim].
+void decode_head_portable(const float* q, int64_t group, int64_t head_dim, const KVLayer& kv, int64_t kv_head,
+                          const int64_t* slots, int64_t len, float scale, float* scores, float* out);
+void decode_head_avx2(const float* q, int64_t group, int64_t head_dim, const KVLayer& kv, int64_t kv_head,
+                      const int64_t* slots, int64_t len, float scale, float* scores, float* out);
+
+}  // namespace radixlm

@@ -1,0 +1,70 @@
+// The portable path of rotary + K/V store and of paged decode attention: the reference for
+// their vector paths (which match it to rounding: their exp is a polynomial).
+#include <cmath>
+
+#include "attention.h"
+
+namespace radixlm {
+
+namespace {
+
+void rotate(float* x, const float* cos, const float* sin, int64_t d) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] - b * sin[i];
+    x[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+}  // namespace
+
+void rope_store_portable(const TokenLayout& x, const int64_t* positions, const float* cos2, const float* sin2,
+                         const KVLayer& kv, const int64_t* out_slots, int64_t t0, int64_t t1) {
+  const int64_t d = x.head_dim;
+  for (int64_t t = t0; t < t1; ++t) {
+    float* row = x.qkv + t * x.row_stride;
+    const float* cos = cos2 + positions[t] * d;
+    const float* sin = sin2 + positions[t] * d;
+    for (int64_t h = 0; h < x.heads + x.kv_heads; ++h) rotate(row + h * d, cos, sin, d);
+    const float* k = row + x.heads * d;
+    const float* v = k + x.kv_heads * d;
+    for (int64_t h = 0; h < x.kv_heads; ++h)
+      for (int64_t i = 0; i < d; ++i) {
+        kv.k[(h * kv.slots + out_slots[t]) * d + i] = k[h * d + i];
+        kv.v[(h * kv.slots + out_slots[t]) * d + i] = v[h * d + i];
+      }
+  }
+}
+
+void decode_head_portable(const float* q, int64_t group, int64_t head_dim, const KVLayer& kv, int64_t kv_head,
+                          const int64_t* slots, int64_t len, float scale, float* scores, float* out) {
+  const float* keys = kv.k + kv_head * kv.slots * head_dim;
+  const float* values = kv.v + kv_head * kv.slots * head_dim;
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = q + g * head_dim;
+    float top = -INFINITY;
+    for (int64_t j = 0; j < len; ++j) {
+      const float* key = keys + slots[j] * head_dim;
+      float dot = 0.0f;
+      for (int64_t i = 0; i < head_dim; ++i) dot = std::fma(qg[i], key[i], dot);
+      scores[j] = dot * scale;
+      top = std::fmax(top, scores[j]);
+    }
+    float total = 0.0f;
+    for (int64_t j = 0; j < len; ++j) {
+      scores[j] = std::exp(scores[j] - top);
+      total += scores[j];
+    }
+    float* o = out + g * head_dim;
+    for (int64_t i = 0; i < head_dim; ++i) o[i] = 0.0f;
+    for (int64_t j = 0; j < len; ++j) {
+      const float* value = values + slots[j] * head_dim;
+      for (int64_t i = 0; i < head_dim; ++i) o[i] = std::fma(scores[j], value[i], o[i]);
+    }
+    const float inv = 1.0f / total;
+    for (int64_t i = 0; i < head_dim; ++i) o[i] *= inv;
+  }
+}
+
+}  // namespace radixlm

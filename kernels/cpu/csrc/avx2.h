@@ -1,0 +1,38 @@
+// Helpers shared by the AVX2 files: the target attribute every AVX2 function carries (the library
+// is built for generic x86-64; ops.cpp calls these only where cpuid found AVX2, FMA and F16C),
+// the horizontal sum whose order the portable paths copy, and exp.
+#pragma once
+
+#include <immintrin.h>
+
+#define RADIXLM_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+namespace radixlm {
+
+// (0+4, 1+5, 2+6, 3+7), then pairs, then the two
+RADIXLM_AVX2 inline float hsum(__m256 v) {
+  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+}
+
+// exp(x) for x in float range: 2^k * p(r), x = k ln2 + r, |r| <= ln2 / 2, p a degree-6 polynomial
+// (Taylor coefficients; relative error below 2e-7 on that interval).
+RADIXLM_AVX2 inline __m256 exp_ps(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - k ln2 in two steps (ln2 split into a part exact in float and the rest)
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+}  // namespace radixlm

@@ -1,0 +1,269 @@
+// The library's torch ops (torch.ops.radixlm.*): argument checks, the ISA chosen once, and the
+// split of rows across torch's intra-op threads. The kernels themselves live in the *_portable
+// and *_avx2 files.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <tuple>
+#include <vector>
+
+#include "attention.h"
+#include "common.h"
+#include "elementwise.h"
+
+namespace radixlm {
+
+namespace {
+
+bool cpu_has_avx2() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+Isa best_isa() {
+  static const Isa best = cpu_has_avx2() ? Isa::avx2 : Isa::portable;
+  return best;
+}
+
+Isa resolve_isa(int64_t requested) {
+  if (requested < 0) return best_isa();
+  TORCH_CHECK(requested <= int64_t(best_isa()), "radixlm: ISA level ", requested, " is not supported by this CPU (best: ",
+              int64_t(best_isa()), ")");
+  return Isa(requested);
+}
+
+namespace {
+
+void check_rows(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "radixlm: ",
+              what, " must be a contiguous 2-D float32 CPU tensor, got ", x.scalar_type(), " ", x.sizes());
+}
+
+// Rows of work per thread task: enough that a task is worth a wake-up.
+int64_t grain(int64_t cost_per_row) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cost_per_row)); }
+
+struct Activations {
+  at::Tensor q, d, sum;
+  QuantizedActivations view() const {
+    return {q.data_ptr<int16_t>(), d.data_ptr<float>(), sum.data_ptr<float>(), q.size(0), q.size(1)};
+  }
+};
+
+Activations quantize(const at::Tensor& x, Isa isa) {
+  const int64_t rows = x.size(0), cols = x.size(1);
+  TORCH_CHECK(cols % kBlock == 0, "radixlm: activations need a multiple of ", kBlock, " columns, got ", cols);
+  Activations a{at::empty({rows, cols}, x.options().dtype(at::kShort)), at::empty({rows, cols / kBlock}, x.options()),
+                at::empty({rows, cols / kBlock}, x.options())};
+  auto run = isa == Isa::avx2 ? quantize_rows_avx2 : quantize_rows_portable;
+  const float* src = x.data_ptr<float>();
+  int16_t* q = a.q.data_ptr<int16_t>();
+  float* d = a.d.data_ptr<float>();
+  float* s = a.sum.data_ptr<float>();
+  at::parallel_for(0, rows, grain(cols), [&](int64_t r0, int64_t r1) {
+    run(src + r0 * cols, r1 - r0, cols, q + r0 * cols, d + r0 * (cols / kBlock), s + r0 * (cols / kBlock));
+  });
+  return a;
+}
+
+CodeMatrix code_matrix(const at::Tensor& codes, const at::Tensor& scale, const std::optional<at::Tensor>& zero,
+                       int64_t bits, int64_t cols) {
+  TORCH_CHECK(bits == 4 || bits == 8, "radixlm: codes must be 4 or 8 bits, got ", bits);
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.element_size() == 1, "radixlm: codes must be a contiguous 2-D byte tensor");
+  const int64_t rows = codes.size(0);
+  TORCH_CHECK(codes.size(1) * 8 == cols * bits, "radixlm: ", bits, "-bit codes of ", cols, " columns take ", cols * bits / 8,
+              " bytes a row, got ", codes.size(1));
+  const bool half = scale.scalar_type() == at::kHalf;
+  TORCH_CHECK(half || scale.scalar_type() == at::kFloat, "radixlm: scales must be float32 or float16");
+  const int64_t group = scale.dim() == 2 && scale.size(1) > 0 ? cols / scale.size(1) : 0;
+  TORCH_CHECK(scale.is_contiguous() && scale.dim() == 2 && scale.size(0) == rows &&
+                  ((group == kBlock && scale.size(1) * kBlock == cols) || (group == 16 && scale.size(1) * 16 == cols)),
+              "radixlm: scales must be [", rows, ", ", cols / kBlock, "] (or [", rows, ", ", cols / 16,
+              "] for 8-bit codes in groups of 16), got ", scale.sizes());
+  const void* zp = nullptr;
+  if (zero.has_value() && zero->defined()) {
+    TORCH_CHECK(zero->scalar_type() == scale.scalar_type() && zero->sizes() == scale.sizes() && zero->is_contiguous(),
+                "radixlm: zero points must match the scales' shape and dtype");
+    TORCH_CHECK(group == kBlock, "radixlm: zero points need groups of ", kBlock, " columns");
+    zp = zero->data_ptr();
+  }
+  TORCH_CHECK(group == kBlock || bits == 8, "radixlm: groups of 16 columns take 8-bit codes");
+  return {static_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr(), zp, rows, cols, int(bits), half, group};
+}
+
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                        const std::optional<at::Tensor>& zero, int64_t bits, int64_t isa_level) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) % kBlock == 0, "radixlm: activations need a multiple of ", kBlock, " columns, got ", x.size(1));
+  const Isa isa = resolve_isa(isa_level);
+  const CodeMatrix w = code_matrix(codes, scale, zero, bits, x.size(1));
+  const Activations a = quantize(x, isa);
+  const QuantizedActivations xa = a.view();
+  at::Tensor y = at::empty({x.size(0), w.rows}, x.options());
+  float* out = y.data_ptr<float>();
+  auto run = isa == Isa::avx2 ? matmul_rows_avx2 : matmul_rows_portable;
+  at::parallel_for(0, w.rows, grain(w.row_bytes() * std::max<int64_t>(1, x.size(0) / 4)),
+                   [&](int64_t n0, int64_t n1) { run(xa, w, n0, n1, out); });
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x, int64_t isa_level) {
+  check_rows(x, "x");
+  const Activations a = quantize(x, resolve_isa(isa_level));
+  return {a.q, a.d, a.sum};
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const std::optional<at::Tensor>& residual,
+                    int64_t isa_level) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), dim = x.size(1);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == dim,
+              "radixlm: rms_norm weight must be float32 [", dim, "]");
+  const float* src = x.data_ptr<float>();
+  if (residual.has_value() && residual->defined()) {  // residual += x, then normalize the sum
+    check_rows(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes(), "radixlm: residual must be shaped like x");
+    float* res = residual->data_ptr<float>();
+    for (int64_t i = 0; i < rows * dim; ++i) res[i] += src[i];
+    src = res;
+  }
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  auto run = resolve_isa(isa_level) == Isa::avx2 ? rms_norm_rows_avx2 : rms_norm_rows_portable;
+  float* dst = out.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  at::parallel_for(0, rows, grain(dim * 4), [&](int64_t r0, int64_t r1) {
+    run(src + r0 * dim, w, float(eps), r1 - r0, dim, dst + r0 * dim);
+  });
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up, int64_t isa_level) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "radixlm: silu_mul needs an even number of columns (gate, then up)");
+  const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, inner}, gate_up.options());
+  auto run = resolve_isa(isa_level) == Isa::avx2 ? silu_mul_rows_avx2 : silu_mul_rows_portable;
+  const float* src = gate_up.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain(inner * 8), [&](int64_t r0, int64_t r1) {
+    run(src + r0 * 2 * inner, r1 - r0, inner, dst + r0 * inner);
+  });
+  return out;
+}
+
+void check_pool(const at::Tensor& pool, int64_t kv_heads, int64_t head_dim, const char* what) {
+  TORCH_CHECK(pool.device().is_cpu() && pool.scalar_type() == at::kFloat && pool.is_contiguous() && pool.dim() == 3 &&
+                  pool.size(0) == kv_heads && pool.size(2) == head_dim,
+              "radixlm: ", what, " must be a contiguous float32 [", kv_heads, ", slots, ", head_dim, "] CPU tensor, got ",
+              pool.sizes());
+}
+
+void check_index(const at::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.dim() == 1 && t.size(0) >= n, "radixlm: ", what,
+              " must be a contiguous int64 vector of at least ", n, " entries");
+}
+
+TokenLayout token_layout(const at::Tensor& qkv, int64_t heads, int64_t kv_heads) {
+  check_rows(qkv, "qkv");
+  const int64_t width = qkv.size(1);
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && width % (heads + 2 * kv_heads) == 0,
+              "radixlm: qkv rows of ", width, " columns do not hold ", heads, " query and 2 x ", kv_heads, " KV heads");
+  return {qkv.data_ptr<float>(), width, heads, kv_heads, width / (heads + 2 * kv_heads)};
+}
+
+void rope_store(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos2, const at::Tensor& sin2,
+                at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& out_slots, int64_t heads, int64_t kv_heads,
+                int64_t isa_level) {
+  const TokenLayout x = token_layout(qkv, heads, kv_heads);
+  const int64_t tokens = qkv.size(0);
+  check_index(positions, tokens, "positions");
+  check_index(out_slots, tokens, "out_slots");
+  check_rows(cos2, "cos2");
+  check_rows(sin2, "sin2");
+  TORCH_CHECK(cos2.size(1) == x.head_dim && sin2.sizes() == cos2.sizes(), "radixlm: rotary tables must be [positions, head_dim]");
+  TORCH_CHECK(x.head_dim % 2 == 0, "radixlm: rotary needs an even head_dim");
+  check_pool(k_pool, kv_heads, x.head_dim, "k_pool");
+  check_pool(v_pool, kv_heads, x.head_dim, "v_pool");
+  const KVLayer kv{k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), k_pool.size(1)};
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = out_slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {  // a bad index is a bug upstream, but never a write out of bounds
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos2.size(0), "radixlm: position ", pos[t], " outside the rotary tables");
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < kv.slots, "radixlm: KV slot ", slots[t], " outside the pool");
+  }
+  auto run = resolve_isa(isa_level) == Isa::avx2 ? rope_store_avx2 : rope_store_portable;
+  const float* c = cos2.data_ptr<float>();
+  const float* s = sin2.data_ptr<float>();
+  at::parallel_for(0, tokens, grain(qkv.size(1) * 8), [&](int64_t t0, int64_t t1) { run(x, pos, c, s, kv, slots, t0, t1); });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                            const at::Tensor& table, const at::Tensor& rows, const at::Tensor& seq_lens, double scale,
+                            int64_t isa_level) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 2 && q.stride(1) == 1,
+              "radixlm: q must be a float32 [rows, heads * head_dim] CPU tensor with contiguous rows");
+  const int64_t kv_heads = k_pool.size(0), d = k_pool.dim() == 3 ? k_pool.size(2) : 0;
+  TORCH_CHECK(d > 0 && q.size(1) % d == 0 && (q.size(1) / d) % kv_heads == 0,
+              "radixlm: q's ", q.size(1), " columns are not whole query heads of the pool's ", kv_heads, " x ", d);
+  const int64_t heads = q.size(1) / d, n = rows.numel(), group = heads / kv_heads;
+  TORCH_CHECK(n <= q.size(0), "radixlm: more decode rows than q rows");
+  check_index(rows, n, "rows");
+  check_index(seq_lens, n, "seq_lens");
+  check_pool(k_pool, kv_heads, d, "k_pool");
+  check_pool(v_pool, kv_heads, d, "v_pool");
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.is_contiguous() && table.dim() == 2, "radixlm: the token table must be a contiguous int64 matrix");
+  const KVLayer kv{k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), k_pool.size(1)};
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* tab = table.data_ptr<int64_t>();
+  int64_t longest = 1;
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK(row[r] >= 0 && row[r] < table.size(0) && lens[r] > 0 && lens[r] <= table.size(1),
+                "radixlm: decode row ", r, " has no valid token-table row or length");
+    for (int64_t j = 0; j < lens[r]; ++j)
+      TORCH_CHECK(tab[row[r] * table.size(1) + j] >= 0 && tab[row[r] * table.size(1) + j] < kv.slots,
+                  "radixlm: a token-table slot lies outside the pool");
+    longest = std::max(longest, lens[r]);
+  }
+  const float* qp = q.data_ptr<float>();
+  const int64_t q_stride = q.stride(0);
+  at::Tensor out = at::empty({n, heads * d}, q.options());
+  float* o = out.data_ptr<float>();
+  auto run = resolve_isa(isa_level) == Isa::avx2 ? decode_head_avx2 : decode_head_portable;
+  // one task per (row, KV head): its query group over its keys, in key order
+  at::parallel_for(0, n * kv_heads, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> scores(longest);
+    for (int64_t task = a; task < b; ++task) {
+      const int64_t r = task / kv_heads, h = task % kv_heads;
+      run(qp + r * q_stride + h * group * d, group, d, kv, h, tab + row[r] * table.size(1), lens[r], float(scale),
+          scores.data(), o + r * heads * d + h * group * d);
+    }
+  });
+  return out;
+}
+
+int64_t best_isa_level() { return int64_t(best_isa()); }
+
+}  // namespace
+
+TORCH_LIBRARY(radixlm, m) {
+  m.def("best_isa() -> int", &best_isa_level);
+  m.def("quantize_activations(Tensor x, int isa=-1) -> (Tensor, Tensor, Tensor)", &quantize_activations);
+  m.def("quant_matmul(Tensor x, Tensor codes, Tensor scale, Tensor? zero, int bits, int isa=-1) -> Tensor", &quant_matmul);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual=None, int isa=-1) -> Tensor", &rms_norm);
+  m.def("silu_mul(Tensor gate_up, int isa=-1) -> Tensor", &silu_mul);
+  m.def("rope_store(Tensor(a!) qkv, Tensor positions, Tensor cos2, Tensor sin2, Tensor(b!) k_pool, Tensor(c!) v_pool, "
+        "Tensor out_slots, int heads, int kv_heads, int isa=-1) -> ()", &rope_store);
+  m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, Tensor rows, Tensor seq_lens, "
+        "float scale, int isa=-1) -> Tensor", &decode_attention);
+}
+
+}  // namespace radixlm

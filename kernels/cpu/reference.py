@@ -1,0 +1,74 @@
+"""Torch references of the native ops (what each computes, written plainly): the tests' oracle."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from radixlm.kernels.cpu import unpack_codes
+
+BLOCK = 32
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    blocks = x.view(m, k // BLOCK, BLOCK)
+    amax = blocks.abs().amax(-1)
+    d = amax / 32767
+    inv = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv[..., None])  # round half to even, as the kernels
+    return q.to(torch.int16).view(m, k), d, d * q.sum(-1)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int) -> torch.Tensor:
+    w = unpack_codes(codes, bits).double()
+    n, k = w.shape
+    group = k // scale.shape[1]  # 32, or 16 (8-bit codes without zero points)
+    g = w.view(n, k // group, group) * scale.double()[..., None]
+    if zero is not None:
+        g = g + zero.double()[..., None]
+    return g.view(n, k)
+
+
+def quant_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                 bits: int) -> torch.Tensor:
+    """In float64: the dequantized weights times the quantized activations."""
+    q, d, _ = quantize_activations(x)
+    m, k = x.shape
+    xq = (q.double().view(m, k // BLOCK, BLOCK) * d.double()[..., None]).view(m, k)
+    return (xq @ dequantize(codes, scale, zero, bits).T).float()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, -1)
+    return F.silu(gate) * up
+
+
+def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor,
+               k_pool: torch.Tensor, v_pool: torch.Tensor, out_slots: torch.Tensor, heads: int, kv_heads: int) -> None:
+    d = k_pool.shape[2]
+    qk = qkv[:, : (heads + kv_heads) * d].view(-1, heads + kv_heads, d)
+    cos, sin = cos2[positions][:, None], sin2[positions][:, None]
+    x1, x2 = qk.chunk(2, -1)
+    qk.copy_(qk * cos + torch.cat([-x2, x1], -1) * sin)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(-1, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d :].view(-1, kv_heads, d)
+    k_pool[:, out_slots] = k.transpose(0, 1)
+    v_pool[:, out_slots] = v.transpose(0, 1)
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                     rows: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    d = k_pool.shape[2]
+    out = []
+    for r in range(rows.shape[0]):
+        slots = table[rows[r], : seq_lens[r]]
+        keys, values = k_pool[:, slots], v_pool[:, slots]  # [kv_heads, len, d]
+        o = F.scaled_dot_product_attention(q[r].view(1, -1, 1, d), keys[None], values[None], scale=scale,
+                                           enable_gqa=True)
+        out.append(o.reshape(-1))
+    return torch.stack(out)

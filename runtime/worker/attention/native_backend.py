@@ -1,0 +1,62 @@
+"""Attention on radixlm's native CPU kernels (kernels/cpu): the CPU default where they are built.
+
+Per layer, one call rotates the step's q and k in the qkv projection and writes k and v to the
+pool (`rope_store`), and one more attends the decode rows (`decode_attention`: each row's query
+group over its keys read in place through the token table, no gather, no padding). Extend rows
+(prefill chunks) take the torch backend's path on the K/V already stored: their cost is the
+matmuls, not the call count. Models with q/k norms (Qwen3) rotate in the model and call
+`forward`, which stores with torch and attends the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixlm.kernels import cpu
+from radixlm.runtime.worker.attention.torch_backend import TorchAttention, TorchAttnMeta, _prepare_extend, extend_attention
+from radixlm.runtime.worker.forward_batch import ForwardBatch
+
+
+class NativeAttention(TorchAttention):
+    fuses_rotary = True
+
+    def __init__(self) -> None:
+        cpu.load()
+        self._rope_store = torch.ops.radixlm.rope_store.default
+        self._decode = torch.ops.radixlm.decode_attention.default
+
+    def prepare(self, fb: ForwardBatch) -> None:
+        d = fb.num_decode
+        heads = fb.kv_pool.k_heads[0].shape[0], fb.kv_pool.num_slots
+        extend = _prepare_extend(fb.req_to_token.table, fb, d, heads) if d < fb.batch_size else []
+        fb.attn_meta = TorchAttnMeta(d, [], [], extend)
+
+    def forward_qkv(self, qkv: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, heads: int, kv_heads: int,
+                    layer: int, scale: float, fb: ForwardBatch) -> torch.Tensor:
+        k_pool, v_pool = fb.kv_pool.k_heads[layer], fb.kv_pool.v_heads[layer]
+        self._rope_store(qkv, fb.positions, cos2, sin2, k_pool, v_pool, fb.out_slots, heads, kv_heads, -1)
+        dim = k_pool.shape[2]
+        return self._attend(qkv[:, : heads * dim], k_pool, v_pool, scale, fb)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+                fb: ForwardBatch) -> torch.Tensor:
+        fb.kv_pool.store(layer, fb.out_slots, k, v)
+        k_pool, v_pool = fb.kv_pool.k_heads[layer], fb.kv_pool.v_heads[layer]
+        heads, dim = q.shape[1], q.shape[2]
+        return self._attend(q.reshape(-1, heads * dim), k_pool, v_pool, scale, fb).view(-1, heads, dim)
+
+    def _attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float,
+                fb: ForwardBatch) -> torch.Tensor:
+        """q [T, heads * d] (rows may be strided) -> [T, heads * d]."""
+        meta: TorchAttnMeta = fb.attn_meta
+        d = meta.num_decode
+        table = fb.req_to_token.table
+        if not meta.extend:
+            return self._decode(q, k_pool, v_pool, table, fb.req_rows, fb.seq_lens, scale, -1)
+        dim = k_pool.shape[2]
+        out = q.new_empty(q.shape[0], q.shape[1])
+        if d:
+            out[:d] = self._decode(q, k_pool, v_pool, table, fb.req_rows[:d], fb.seq_lens[:d], scale, -1)
+        q3 = q.reshape(q.shape[0], -1, dim)
+        extend_attention(q3, k_pool, v_pool, scale, meta.extend, out.view(q.shape[0], -1, dim))
+        return out

@@ -1,0 +1,192 @@
+"""The native CPU kernels (kernels/cpu) against their torch references, and every ISA path this
+CPU runs against the portable one: bitwise, since each path sums in the same order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from radixlm.kernels import cpu
+from radixlm.kernels.cpu import build, reference as ref
+
+cpu.load()
+PATHS = list(range(cpu.best_isa() + 1))  # every path this CPU runs: portable (0) first
+
+
+def _matrix(gen: torch.Generator, n: int, k: int, bits: int, half: bool, with_zero: bool, group: int = 32):
+    raw = torch.randint(0, 16, (n, k), generator=gen) if bits == 4 else torch.randint(-127, 128, (n, k), generator=gen)
+    dtype = torch.float16 if half else torch.float32
+    scale = (torch.rand(n, k // group, generator=gen) * 0.05).to(dtype)
+    zero = (torch.randn(n, k // group, generator=gen) * 0.05).to(dtype) if with_zero else None
+    return raw, cpu.pack_codes(raw, bits), scale, zero
+
+
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, 9), n=st.integers(1, 37), blocks=st.integers(1, 9), kind=st.sampled_from(["4", "8", "8 g16"]),
+       half=st.booleans(), with_zero=st.booleans(), seed=st.integers(0, 2**16))
+def test_quant_matmul_against_the_reference_and_across_paths(m, n, blocks, kind, half, with_zero, seed):
+    gen = torch.Generator().manual_seed(seed)
+    k = 32 * blocks
+    bits, group = int(kind[0]), (16 if "g16" in kind else 32)  # groups of 16: Q6_K's, 8-bit codes, no zero points
+    raw, codes, scale, zero = _matrix(gen, n, k, bits, half, with_zero and group == 32, group)
+    assert torch.equal(cpu.unpack_codes(codes, bits), raw.to(torch.int32))
+    x = torch.randn(m, k, generator=gen) * 3
+    portable = cpu.quant_matmul(x, codes, scale, zero, bits, isa=0)
+    want = ref.quant_matmul(x, codes, scale.float(), None if zero is None else zero.float(), bits)
+    # the reference is float64 on the same quantized activations: only fp32 accumulation differs
+    terms = ref.quant_matmul(x.abs(), codes.abs() if bits == 8 else codes, scale.float().abs(),
+                             None if zero is None else zero.float().abs(), bits).abs()
+    assert ((portable - want).abs() <= 1e-5 * terms + 1e-6).all()
+    for isa in PATHS[1:]:
+        assert torch.equal(cpu.quant_matmul(x, codes, scale, zero, bits, isa=isa), portable), cpu.ISA_NAMES[isa]
+    # batch invariance: each row alone gives its row of the batch, bit for bit
+    for i in range(m):
+        assert torch.equal(cpu.quant_matmul(x[i : i + 1].clone(), codes, scale, zero, bits), portable[i : i + 1])
+
+
+def test_the_8_bit_dot_has_no_overflow_at_the_extremes():
+    codes = torch.full((3, 64), -127, dtype=torch.int8)
+    x = torch.full((2, 64), -1.0)  # every activation code -32767: products at their largest
+    scale = torch.ones(3, 2)
+    for isa in PATHS:
+        got = cpu.quant_matmul(x, cpu.pack_codes(codes, 8), scale, None, 8, isa=isa)
+        assert torch.allclose(got, torch.full((2, 3), 64 * 127.0), rtol=1e-6)  # 64 x (-127 x -1)
+
+
+@pytest.mark.parametrize("isa", PATHS)
+def test_quantize_activations_is_the_references(isa):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 160, generator=gen) * 4
+    x[2, :32] = 0  # an all-zero block: scale 0, codes 0
+    x[3, 5] = 0.5 * (x[3, :32].abs().max() / 32767) * 3  # odd multiples of half a step: ties round to even
+    q, d, s = cpu.quantize_activations(x, isa)
+    rq, rd, rs = ref.quantize_activations(x)
+    assert torch.equal(q, rq) and torch.equal(d, rd) and torch.equal(s, rs)
+
+
+@pytest.mark.parametrize("dim", [576, 64, 100])
+def test_rms_norm_with_and_without_the_residual(dim):
+    gen = torch.Generator().manual_seed(dim)
+    x, w, res = torch.randn(5, dim, generator=gen), torch.randn(dim, generator=gen), torch.randn(5, dim, generator=gen)
+    portable = cpu.rms_norm(x, w, 1e-5, isa=0)
+    assert torch.allclose(portable, ref.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-6)
+    for isa in PATHS[1:]:
+        assert torch.equal(cpu.rms_norm(x, w, 1e-5, isa=isa), portable)
+    residual = res.clone()
+    out = cpu.rms_norm(x, w, 1e-5, residual)
+    assert torch.equal(residual, res + x)  # added in place
+    assert torch.allclose(out, ref.rms_norm(res + x, w, 1e-5), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("isa", PATHS)
+def test_silu_mul(isa):
+    gen = torch.Generator().manual_seed(5)
+    g = torch.randn(6, 2 * 1539, generator=gen) * 6  # a ragged tail past the vector width
+    g[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    got, want = cpu.silu_mul(g, isa=isa), ref.silu_mul(g)
+    assert torch.allclose(got, want, rtol=2e-6, atol=1e-7), (got - want).abs().max()
+
+
+def test_bad_arguments_are_named():
+    x = torch.randn(2, 64)
+    codes = cpu.pack_codes(torch.zeros(4, 64, dtype=torch.int64), 4)
+    with pytest.raises(RuntimeError, match="multiple of 32 columns"):
+        cpu.quant_matmul(torch.randn(2, 40), codes[:, :20].contiguous(), torch.ones(4, 1), None, 4)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        cpu.quant_matmul(x, codes, torch.ones(4, 3), None, 4)
+    with pytest.raises(RuntimeError, match="4 or 8 bits"):
+        cpu.quant_matmul(x, codes, torch.ones(4, 2), None, 2)
+    with pytest.raises(RuntimeError, match="groups of 16 columns take 8-bit codes"):
+        cpu.quant_matmul(x, codes, torch.ones(4, 4), None, 4)
+    with pytest.raises(RuntimeError, match="zero points need groups of 32"):
+        cpu.quant_matmul(x, cpu.pack_codes(torch.zeros(4, 64), 8), torch.ones(4, 4), torch.ones(4, 4), 8)
+    with pytest.raises(RuntimeError, match="float32 CPU tensor"):
+        cpu.quant_matmul(x.double(), codes, torch.ones(4, 2), None, 4)
+    with pytest.raises(RuntimeError, match="not supported by this CPU"):
+        cpu.quant_matmul(x, codes, torch.ones(4, 2), None, 4, isa=len(cpu.ISA_NAMES) + 3)
+
+
+def test_the_build_is_cached_and_keyed_by_sources_and_cpu(monkeypatch):
+    key = build.build_key()
+    library = build.cache_root() / key / f"radixlm_cpu_{key}.so"
+    assert library.exists() and build.load() == str(library)  # loaded from the cache, not rebuilt
+    monkeypatch.setattr(build, "cpu_flags", lambda: ["avx2", "avx512f"])
+    assert build.build_key() != key  # another CPU kind: another build
+
+
+def test_a_missing_compiler_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "no-such-c++")
+    with pytest.raises(build.NativeBuildError, match="no-such-c\\+\\+.*--quantization none"):
+        build._build("radixlm_cpu_test", tmp_path)
+
+
+def test_smollm2s_own_tensors():
+    """A Q4_1 layer matrix and the Q8_0 table of the embedded file, served from their codes: the
+    kernel against the float64 product of gguf's own dequantization and the quantized input."""
+    from radixlm.runtime.model_config import gguf_reader, resolve_model
+    from radixlm.runtime.worker.loader import GGUFTensor
+    from radixlm.runtime.worker.quant import QuantizedMatrix
+
+    tensors = {t.name: t for t in gguf_reader(resolve_model(None).path).tensors}
+    gen = torch.Generator().manual_seed(0)
+    for name in ("blk.3.ffn_down.weight", "token_embd.weight"):
+        t = GGUFTensor(tensors[name])
+        rows = slice(0, 2048)
+        blocks = t.blocks(rows, slice(None))
+        served = QuantizedMatrix(blocks)
+        x = torch.randn(3, t.shape[1], generator=gen)
+        q, d, _ = ref.quantize_activations(x)
+        xq = (q.double().view(3, -1, 32) * d.double()[..., None]).view(3, -1)
+        want = xq @ t[rows].double().T
+        got = served.kernel(x)
+        assert (got - want).abs().max() < 1e-4 * want.abs().max(), name
+        assert (got - x.double() @ t[rows].double().T).abs().max() < 1e-3 * want.abs().max()  # 16-bit inputs: near exact
+        assert served.scale.dtype == torch.float16  # the file's fp16 scales kept as they are
+
+
+def _step(gen: torch.Generator, tokens: int, heads: int, kv_heads: int, d: int, slots: int = 300):
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen)
+    k_pool, v_pool = torch.randn(kv_heads, slots, d, generator=gen), torch.randn(kv_heads, slots, d, generator=gen)
+    return qkv, k_pool, v_pool
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 32), (8, 2, 24)])
+def test_rope_store_rotates_in_place_and_writes_the_pool(heads, kv_heads, d):
+    from radixlm.runtime.worker.layers import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(heads)
+    rotary = RotaryEmbedding(d, 512, 10000.0, None)
+    qkv, k_pool, v_pool = _step(gen, 5, heads, kv_heads, d)
+    positions, slots = torch.tensor([0, 7, 100, 511, 3]), torch.tensor([4, 9, 250, 0, 299])
+    want = [t.clone() for t in (qkv, k_pool, v_pool)]
+    ref.rope_store(*want[:1], positions, rotary.cos2, rotary.sin2, *want[1:], slots, heads, kv_heads)
+    for isa in PATHS:
+        got = [t.clone() for t in (qkv, k_pool, v_pool)]
+        cpu.rope_store(got[0], positions, rotary.cos2, rotary.sin2, got[1], got[2], slots, heads, kv_heads, isa=isa)
+        for g, w in zip(got, want):
+            assert torch.allclose(g, w, rtol=1e-6, atol=1e-6), (isa, (g - w).abs().max())
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu.rope_store(qkv, positions, rotary.cos2, rotary.sin2, k_pool, v_pool, slots + 300, heads, kv_heads)
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 6), group=st.sampled_from([1, 3]), d=st.sampled_from([16, 64, 24]), seed=st.integers(0, 999))
+def test_decode_attention_reads_the_pool_through_the_table(rows, group, d, seed):
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads = 2
+    heads = kv_heads * group
+    qkv, k_pool, v_pool = _step(gen, rows + 2, heads, kv_heads, d)
+    table = torch.randperm(300, generator=gen)[: 8 * 37].view(8, 37)  # scattered slots, as pages are
+    table_rows = torch.randperm(8, generator=gen)[:rows]
+    lens = torch.randint(1, 38, (rows,), generator=gen)
+    q = qkv[:, : heads * d]  # strided rows, as the model's qkv holds them
+    want = ref.decode_attention(q, k_pool, v_pool, table, table_rows, lens, 0.125)
+    outs = [cpu.decode_attention(q, k_pool, v_pool, table, table_rows, lens, 0.125, isa=i) for i in PATHS]
+    for got in outs:
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
+    # batch invariance: each row alone gives its row of the batch, bit for bit
+    for r in range(rows):
+        alone = cpu.decode_attention(q[r : r + 1].clone(), k_pool, v_pool, table, table_rows[r : r + 1],
+                                     lens[r : r + 1], 0.125)
+        assert torch.equal(alone, outs[-1][r : r + 1])
