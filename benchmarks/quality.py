@@ -13,7 +13,7 @@ per precision:
 
 Each quantized precision is scored twice, once per kernel (runtime/worker/quant.py): "codes"
 is what decode batches read (the int4/int8 codes at every batch size), "dense copy" what
-prefill-sized batches read when the start-up timing gave the matrices a dense copy.
+prefill-sized batches read (more than quant.CODES_ROWS rows).
 
     python benchmarks/quality.py            # 2,048+ tokens, every precision (a few minutes)
     python benchmarks/quality.py --quick    # 384 tokens, fp32 and auto (CI)
@@ -46,7 +46,7 @@ NEAR_TIE = 0.1  # nats between HF's top two: a flip there says nothing about the
 PRECISIONS = [
     ("fp32 (--quantization none)", {"quantization": "none"}),
     ("auto: file's Q4_1 codes as int4 g32", {"quantization": "auto"}),
-    ("int8 per row (--quantization int8)", {"quantization": "int8"}),
+    ("int8 g32 (--quantization int8)", {"quantization": "int8"}),
     ("int4 g64, requantized (--quantization int4 --quantization-group-size 64)",
      {"quantization": "int4", "quantization_group_size": 64}),
 ]

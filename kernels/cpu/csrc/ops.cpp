@@ -238,13 +238,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
   at::Tensor out = at::empty({n, heads * d}, q.options());
   float* o = out.data_ptr<float>();
   auto run = resolve_isa(isa_level) == Isa::avx2 ? decode_head_avx2 : decode_head_portable;
-  // one task per (row, KV head): its query group over its keys, in key order
-  at::parallel_for(0, n * kv_heads, 1, [&](int64_t a, int64_t b) {
+  // one task per (row, query head), its keys in key order: a lone decode row's 9 heads split
+  // 5:4 over two threads, where its 3 KV heads' groups split 2:1
+  at::parallel_for(0, n * heads, 1, [&](int64_t a, int64_t b) {
     std::vector<float> scores(longest);
     for (int64_t task = a; task < b; ++task) {
-      const int64_t r = task / kv_heads, h = task % kv_heads;
-      run(qp + r * q_stride + h * group * d, group, d, kv, h, tab + row[r] * table.size(1), lens[r], float(scale),
-          scores.data(), o + r * heads * d + h * group * d);
+      const int64_t r = task / heads, h = task % heads;
+      run(qp + r * q_stride + h * d, 1, d, kv, h / group, tab + row[r] * table.size(1), lens[r], float(scale),
+          scores.data(), o + r * heads * d + h * d);
     }
   });
   return out;
