@@ -203,20 +203,20 @@ class ModelWorker:
         return gemm.pick_kernel(dense, self.device) if dense else "torch"
 
     def _attention_backend(self) -> AttentionBackend:
-        if self.args.deterministic:
-            from radixlm.runtime.worker.attention.invariant_backend import InvariantAttention
-
-            return InvariantAttention()
         name = self.args.attention_backend
         if name == "auto":
             native = self.quantization.kernels != "none" and self.dtype == torch.float32
             name = "triton" if self.device.type == "cuda" else ("native" if native else "torch")
-        if name == "native":
+        if self.args.deterministic and name != "native":
+            from radixlm.runtime.worker.attention.invariant_backend import InvariantAttention
+
+            return InvariantAttention()
+        if name == "native":  # batch invariant by construction under --deterministic
             if self.device.type != "cpu" or self.dtype != torch.float32:
                 raise ValueError("--attention-backend native runs on CPU with float32 activations")
             from radixlm.runtime.worker.attention.native_backend import NativeAttention
 
-            return NativeAttention()
+            return NativeAttention(invariant=self.args.deterministic)
         if name == "torch":
             from radixlm.runtime.worker.attention.torch_backend import TorchAttention
 

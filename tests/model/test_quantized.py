@@ -80,6 +80,7 @@ def test_deterministic_on_quantized_weights(smol):
         prompts = [tok.encode(f"Story {i}: once upon a time" + " and then" * (3 * i), add_special_tokens=False)
                    for i in range(6)]
         params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+        assert type(engine.worker.attn_backend).__name__ == "NativeAttention"  # the native kernels, invariant
         alone = [engine.generate(input_ids=p, sampling_params=params, return_logprob=True) for p in prompts]
         engine.scheduler.flush_cache()
         together = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
@@ -87,6 +88,17 @@ def test_deterministic_on_quantized_weights(smol):
             assert a["output_ids"] == b["output_ids"]
             assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
         assert_drained(engine)
+        # prompts prefilled 5 tokens a step, decoding beside them: the same bits again
+        chunked = LocalEngine(smol.path, model=engine.worker.model, tokenizer=smol.engine.tokenizer,
+                              max_total_tokens=4096, deterministic=True, chunked_prefill_size=5)
+        try:
+            again = chunked.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+            for a, b in zip(alone, again):
+                assert a["output_ids"] == b["output_ids"]
+                assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
+            assert_drained(chunked)
+        finally:
+            chunked.shutdown()
     finally:
         engine.shutdown()
 

@@ -6,9 +6,16 @@ group over its keys read in place through the token table, no gather, no padding
 (prefill chunks) take the torch backend's path on the K/V already stored: their cost is the
 matmuls, not the call count. Models with q/k norms (Qwen3) rotate in the model and call
 `forward`, which stores with torch and attends the same way.
+
+`invariant` (--deterministic): every token, decode or prefill, is one query of the same
+kernel over its keys up to its own position, so a token's attention is bitwise the same
+whatever its step holds, however its prompt was chunked and whether it is decoded or
+re-prefilled after a retraction; and the matmuls on the codes are batch invariant as they are.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -17,15 +24,24 @@ from radixlm.runtime.worker.attention.torch_backend import TorchAttention, Torch
 from radixlm.runtime.worker.forward_batch import ForwardBatch
 
 
+class InvariantMeta(NamedTuple):
+    rows: torch.Tensor  # [T] each token's row of the token table
+    lens: torch.Tensor  # [T] its position + 1: the keys it sees
+
+
 class NativeAttention(TorchAttention):
     fuses_rotary = True
 
-    def __init__(self) -> None:
+    def __init__(self, invariant: bool = False) -> None:
         cpu.load()
+        self.invariant = invariant
         self._rope_store = torch.ops.radixlm.rope_store.default
         self._decode = torch.ops.radixlm.decode_attention.default
 
     def prepare(self, fb: ForwardBatch) -> None:
+        if self.invariant:  # every token a query over its keys up to itself
+            fb.attn_meta = InvariantMeta(torch.repeat_interleave(fb.req_rows, fb.extend_lens), fb.positions + 1)
+            return
         d = fb.num_decode
         heads = fb.kv_pool.k_heads[0].shape[0], fb.kv_pool.num_slots
         extend = _prepare_extend(fb.req_to_token.table, fb, d, heads) if d < fb.batch_size else []
@@ -48,9 +64,11 @@ class NativeAttention(TorchAttention):
     def _attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float,
                 fb: ForwardBatch) -> torch.Tensor:
         """q [T, heads * d] (rows may be strided) -> [T, heads * d]."""
-        meta: TorchAttnMeta = fb.attn_meta
-        d = meta.num_decode
+        meta = fb.attn_meta
         table = fb.req_to_token.table
+        if isinstance(meta, InvariantMeta):
+            return self._decode(q, k_pool, v_pool, table, meta.rows, meta.lens, scale, -1)
+        d = meta.num_decode
         if not meta.extend:
             return self._decode(q, k_pool, v_pool, table, fb.req_rows, fb.seq_lens, scale, -1)
         dim = k_pool.shape[2]
