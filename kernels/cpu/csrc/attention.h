@@ -26,12 +26,12 @@ void rope_store_portable(const TokenLayout& x, const int64_t* positions, const f
 void rope_store_avx2(const TokenLayout& x, const int64_t* positions, const float* cos2, const float* sin2,
                      const KVLayer& kv, const int64_t* out_slots, int64_t t0, int64_t t1);
 
-// One decode row's attention for one KV head: its `group` query heads over keys at `slots[0..len)`.
-// Scores, then max, exp and their sum, then the values weighted, each in key order: the same
-// order whatever the batch. out: [group, head_dim].
-void decode_head_portable(const float* q, int64_t group, int64_t head_dim, const KVLayer& kv, int64_t kv_head,
-                          const int64_t* slots, int64_t len, float scale, float* scores, float* out);
-void decode_head_avx2(const float* q, int64_t group, int64_t head_dim, const KVLayer& kv, int64_t kv_head,
-                      const int64_t* slots, int64_t len, float scale, float* scores, float* out);
+// One query head's attention over keys at `slots[0..len)` of KV head `kv_head`: scores, then max,
+// exp and their sum, then the values weighted, each in key order: the same order whatever the
+// batch. out: [head_dim]; scores: room for len floats.
+void decode_head_portable(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,
+                          int64_t len, float scale, float* scores, float* out);
+void decode_head_avx2(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,
+                      int64_t len, float scale, float* scores, float* out);
 
 }  // namespace radixlm

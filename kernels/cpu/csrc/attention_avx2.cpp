@@ -39,60 +39,57 @@ RADIXLM_AVX2 void rope_store_avx2(const TokenLayout& x, const int64_t* positions
   }
 }
 
-RADIXLM_AVX2 void decode_head_avx2(const float* q, int64_t group, int64_t head_dim, const KVLayer& kv, int64_t kv_head,
+RADIXLM_AVX2 void decode_head_avx2(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head,
                                    const int64_t* slots, int64_t len, float scale, float* scores, float* out) {
   constexpr int64_t kMaxChunks = 32;  // head_dim up to 256
-  if (head_dim % 8 || head_dim / 8 > kMaxChunks) return decode_head_portable(q, group, head_dim, kv, kv_head, slots, len, scale, scores, out);
+  if (head_dim % 8 || head_dim / 8 > kMaxChunks) return decode_head_portable(q, head_dim, kv, kv_head, slots, len, scale, scores, out);
   const float* keys = kv.k + kv_head * kv.slots * head_dim;
   const float* values = kv.v + kv_head * kv.slots * head_dim;
-  for (int64_t g = 0; g < group; ++g) {
-    const float* qg = q + g * head_dim;
-    float top = -INFINITY;
-    int64_t j = 0;
-    for (; j + 4 <= len; j += 4) {  // four keys at a time: four independent chains of multiply-adds
-      const float* key[4] = {keys + slots[j] * head_dim, keys + slots[j + 1] * head_dim, keys + slots[j + 2] * head_dim,
-                             keys + slots[j + 3] * head_dim};
-      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      for (int64_t i = 0; i < head_dim; i += 8) {
-        const __m256 qv = _mm256_loadu_ps(qg + i);
-        for (int u = 0; u < 4; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[u] + i), acc[u]);
-      }
-      for (int u = 0; u < 4; ++u) {
-        scores[j + u] = hsum(acc[u]) * scale;
-        top = std::fmax(top, scores[j + u]);
-      }
+  float top = -INFINITY;
+  int64_t j = 0;
+  for (; j + 4 <= len; j += 4) {  // four keys at a time: four independent chains of multiply-adds
+    const float* key[4] = {keys + slots[j] * head_dim, keys + slots[j + 1] * head_dim, keys + slots[j + 2] * head_dim,
+                           keys + slots[j + 3] * head_dim};
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < head_dim; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i);
+      for (int u = 0; u < 4; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key[u] + i), acc[u]);
     }
-    for (; j < len; ++j) {  // the same sums, one key at a time
-      const float* key = keys + slots[j] * head_dim;
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t i = 0; i < head_dim; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(key + i), acc);
-      scores[j] = hsum(acc) * scale;
-      top = std::fmax(top, scores[j]);
+    for (int u = 0; u < 4; ++u) {
+      scores[j + u] = hsum(acc[u]) * scale;
+      top = std::fmax(top, scores[j + u]);
     }
-    const __m256 topv = _mm256_set1_ps(top);
-    __m256 sum = _mm256_setzero_ps();
-    j = 0;
-    for (; j + 8 <= len; j += 8) {
-      const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(scores + j), topv));
-      _mm256_storeu_ps(scores + j, e);
-      sum = _mm256_add_ps(sum, e);
-    }
-    float total = hsum(sum);
-    for (; j < len; ++j) {
-      scores[j] = std::exp(scores[j] - top);
-      total += scores[j];
-    }
-    __m256 acc[kMaxChunks];
-    const int64_t chunks = head_dim / 8;
-    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < len; ++k) {  // each value row read once, whole
-      const __m256 p = _mm256_set1_ps(scores[k]);
-      const float* value = values + slots[k] * head_dim;
-      for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + 8 * c), acc[c]);
-    }
-    const __m256 inv = _mm256_set1_ps(1.0f / total);
-    for (int64_t c = 0; c < chunks; ++c) _mm256_storeu_ps(out + g * head_dim + 8 * c, _mm256_mul_ps(acc[c], inv));
   }
+  for (; j < len; ++j) {  // the same sums, one key at a time
+    const float* key = keys + slots[j] * head_dim;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < head_dim; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(key + i), acc);
+    scores[j] = hsum(acc) * scale;
+    top = std::fmax(top, scores[j]);
+  }
+  const __m256 topv = _mm256_set1_ps(top);
+  __m256 sum = _mm256_setzero_ps();
+  j = 0;
+  for (; j + 8 <= len; j += 8) {
+    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(scores + j), topv));
+    _mm256_storeu_ps(scores + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float total = hsum(sum);
+  for (; j < len; ++j) {
+    scores[j] = std::exp(scores[j] - top);
+    total += scores[j];
+  }
+  __m256 acc[kMaxChunks];
+  const int64_t chunks = head_dim / 8;
+  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < len; ++k) {  // each value row read once, whole
+    const __m256 p = _mm256_set1_ps(scores[k]);
+    const float* value = values + slots[k] * head_dim;
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + 8 * c), acc[c]);
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / total);
+  for (int64_t c = 0; c < chunks; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], inv));
 }
 
 }  // namespace radixlm

@@ -37,34 +37,30 @@ void rope_store_portable(const TokenLayout& x, const int64_t* positions, const f
   }
 }
 
-void decode_head_portable(const float* q, int64_t group, int64_t head_dim, const KVLayer& kv, int64_t kv_head,
-                          const int64_t* slots, int64_t len, float scale, float* scores, float* out) {
+void decode_head_portable(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,
+                          int64_t len, float scale, float* scores, float* out) {
   const float* keys = kv.k + kv_head * kv.slots * head_dim;
   const float* values = kv.v + kv_head * kv.slots * head_dim;
-  for (int64_t g = 0; g < group; ++g) {
-    const float* qg = q + g * head_dim;
-    float top = -INFINITY;
-    for (int64_t j = 0; j < len; ++j) {
-      const float* key = keys + slots[j] * head_dim;
-      float dot = 0.0f;
-      for (int64_t i = 0; i < head_dim; ++i) dot = std::fma(qg[i], key[i], dot);
-      scores[j] = dot * scale;
-      top = std::fmax(top, scores[j]);
-    }
-    float total = 0.0f;
-    for (int64_t j = 0; j < len; ++j) {
-      scores[j] = std::exp(scores[j] - top);
-      total += scores[j];
-    }
-    float* o = out + g * head_dim;
-    for (int64_t i = 0; i < head_dim; ++i) o[i] = 0.0f;
-    for (int64_t j = 0; j < len; ++j) {
-      const float* value = values + slots[j] * head_dim;
-      for (int64_t i = 0; i < head_dim; ++i) o[i] = std::fma(scores[j], value[i], o[i]);
-    }
-    const float inv = 1.0f / total;
-    for (int64_t i = 0; i < head_dim; ++i) o[i] *= inv;
+  float top = -INFINITY;
+  for (int64_t j = 0; j < len; ++j) {
+    const float* key = keys + slots[j] * head_dim;
+    float dot = 0.0f;
+    for (int64_t i = 0; i < head_dim; ++i) dot = std::fma(q[i], key[i], dot);
+    scores[j] = dot * scale;
+    top = std::fmax(top, scores[j]);
   }
+  float total = 0.0f;
+  for (int64_t j = 0; j < len; ++j) {
+    scores[j] = std::exp(scores[j] - top);
+    total += scores[j];
+  }
+  for (int64_t i = 0; i < head_dim; ++i) out[i] = 0.0f;
+  for (int64_t j = 0; j < len; ++j) {
+    const float* value = values + slots[j] * head_dim;
+    for (int64_t i = 0; i < head_dim; ++i) out[i] = std::fma(scores[j], value[i], out[i]);
+  }
+  const float inv = 1.0f / total;
+  for (int64_t i = 0; i < head_dim; ++i) out[i] *= inv;
 }
 
 }  // namespace radixlm

@@ -244,7 +244,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
     std::vector<float> scores(longest);
     for (int64_t task = a; task < b; ++task) {
       const int64_t r = task / heads, h = task % heads;
-      run(qp + r * q_stride + h * d, 1, d, kv, h / group, tab + row[r] * table.size(1), lens[r], float(scale),
+      run(qp + r * q_stride + h * d, d, kv, h / group, tab + row[r] * table.size(1), lens[r], float(scale),
           scores.data(), o + r * heads * d + h * d);
     }
   });

@@ -2,7 +2,7 @@
 
 Per layer, one call rotates the step's q and k in the qkv projection and writes k and v to the
 pool (`rope_store`), and one more attends the decode rows (`decode_attention`: each row's query
-group over its keys read in place through the token table, no gather, no padding). Extend rows
+heads over their keys read in place through the token table, no gather, no padding). Extend rows
 (prefill chunks) take the torch backend's path on the K/V already stored: their cost is the
 matmuls, not the call count. Models with q/k norms (Qwen3) rotate in the model and call
 `forward`, which stores with torch and attends the same way.
@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from radixlm.kernels import cpu
-from radixlm.runtime.worker.attention.torch_backend import TorchAttention, TorchAttnMeta, _prepare_extend, extend_attention
+from radixlm.runtime.worker.attention.torch_backend import TorchAttention, TorchAttnMeta, prepare_extend, extend_attention
 from radixlm.runtime.worker.forward_batch import ForwardBatch
 
 
@@ -44,7 +44,7 @@ class NativeAttention(TorchAttention):
             return
         d = fb.num_decode
         heads = fb.kv_pool.k_heads[0].shape[0], fb.kv_pool.num_slots
-        extend = _prepare_extend(fb.req_to_token.table, fb, d, heads) if d < fb.batch_size else []
+        extend = prepare_extend(fb.req_to_token.table, fb, d, heads) if d < fb.batch_size else []
         fb.attn_meta = TorchAttnMeta(d, [], [], extend)
 
     def forward_qkv(self, qkv: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, heads: int, kv_heads: int,

@@ -77,7 +77,7 @@ class TorchAttention(AttentionBackend):
         table, d = fb.req_to_token.table, fb.num_decode
         heads = fb.kv_pool.k_heads[0].shape[0], fb.kv_pool.num_slots
         decode, shared = _prepare_decode(table, fb.req_rows[:d], fb.seq_lens[:d], heads) if d else ([], [])
-        extend = _prepare_extend(table, fb, d, heads) if d < fb.batch_size else []
+        extend = prepare_extend(table, fb, d, heads) if d < fb.batch_size else []
         fb.attn_meta = TorchAttnMeta(d, decode, shared, extend)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
@@ -259,7 +259,7 @@ def _common_prefix_len(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.
     return int(differs.to(torch.int8).argmax()) if bool(differs.any()) else limit
 
 
-def _prepare_extend(table: torch.Tensor, fb: ForwardBatch, first: int, heads: tuple[int, int]) -> list[ExtendBucket]:
+def prepare_extend(table: torch.Tensor, fb: ForwardBatch, first: int, heads: tuple[int, int]) -> list[ExtendBucket]:
     """Length buckets over the extend rows (batch positions first..B-1)."""
     device = fb.seq_lens.device
     seq_lens = fb.seq_lens[first:].tolist()
