@@ -43,3 +43,15 @@ def test_smollm2_answers_sensibly(smol):
     text = smol.engine.generate(smol.engine.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
                                 {"max_new_tokens": 16, "temperature": 0})["text"]
     assert "Paris" in text
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_tiny_models_match_hf_on_the_native_attention(tiny, page_size):
+    """The native backend (rotary fused with the K/V store, decode attention over the pool in
+    place; Qwen3's q/k norms take its unfused path) on fp32 weights, so HF is the oracle."""
+    engine = tiny.engine(attention_backend="native", page_size=page_size)
+    assert type(engine.worker.attn_backend).__name__ == "NativeAttention"
+    results = engine.generate(input_ids=tiny.prompts + tiny.shared_prompts, sampling_params=GREEDY)
+    for i, (res, ref) in enumerate(zip(results, tiny.refs + tiny.shared_refs)):
+        assert_matches(res["output_ids"], ref, f"{tiny.kind} prompt {i}, native attention, page size {page_size}")
+    assert_drained(engine)

@@ -45,7 +45,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, fb: ForwardBatch) -> torch.Tensor:
         q_len, kv_len = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)
         if fb.attn_backend.fuses_rotary and self.q_norm is None:  # rotary, the K/V store and attention in two calls
@@ -84,7 +84,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output h, the residual stream before it is added): the next norm adds
         them, so each residual add rides on a norm. The first layer gets the embeddings as h
@@ -123,7 +123,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Final hidden states of every token in the batch, [tokens, hidden]."""
         h, residual = self.embed_tokens(fb.input_ids), None
-        rope = self.rotary.tables(fb.positions)
+        # a backend that fuses rotary reads the full tables itself (q/k-norm models still rotate here)
+        fused = fb.attn_backend.fuses_rotary and not self.cfg.qk_norm
+        rope = None if fused else self.rotary.tables(fb.positions)
         for layer in self.layers:
             h, residual = layer(h, residual, rope, fb)
         return self.norm(h, residual)
