@@ -2,7 +2,10 @@
 (GEMM / attention / the rest), and how far it sits from the bandwidth floor of the bytes it reads.
 
 Steps are timed on the scheduler (`Scheduler.step`: model, sampling, bookkeeping), the median
-of many, with 128-token prompts on the embedded SmolLM2 GGUF. The split times every matmul
+of many, with 128-token prompts on the embedded SmolLM2 GGUF. "batch 1 ms" is the step as
+served (on the native kernels: the whole decoder in one call, runtime/worker/native_decoder.py);
+"op by op" the same step with the decoder off, each op called from Python, which is where the
+split is measured (the one call has no Python in it to time). The split times every matmul
 call (`layers.linear`: casts, the kernel, the LM head included) and every attention call
 (KV store included, and rotary where the backend fuses it) with wall clocks; "rest" is the step minus both (norms, rotary, residuals,
 embedding, sampling, the scheduler). The bytes a batch-1 token reads are the weights its
@@ -75,8 +78,13 @@ def run(precision: str, steps: int, bandwidth: float) -> dict[str, Any]:
     rids = b.decoding(1)
     median_step(b, 10)  # warm
     step1 = median_step(b, steps)
-    clock = Clock()
     worker = engine.worker
+    b.drop(rids)  # a fresh request (each decodes at most 400 tokens)
+    decoder, worker.native_decoder = worker.native_decoder, None  # op by op, to time its parts
+    rids = b.decoding(1)
+    median_step(b, 3)
+    ops1 = median_step(b, steps)
+    clock = Clock()
     real_linear, real_attn, real_fused = layers.linear, worker.attn_backend.forward, worker.attn_backend.forward_qkv
     layers.linear = clock.wrap("gemm", real_linear)
     worker.attn_backend.forward = clock.wrap("attention", real_attn)
@@ -86,6 +94,7 @@ def run(precision: str, steps: int, bandwidth: float) -> dict[str, Any]:
         b.sched.step()
     timed = time.perf_counter() - start
     layers.linear, worker.attn_backend.forward, worker.attn_backend.forward_qkv = real_linear, real_attn, real_fused
+    worker.native_decoder = decoder
     b.drop(rids)
     split = {k: v / steps for k, v in clock.spent.items()}
     split["rest"] = timed / steps - sum(split.values())
@@ -94,8 +103,8 @@ def run(precision: str, steps: int, bandwidth: float) -> dict[str, Any]:
     step32 = median_step(b, max(5, steps // 5))
     b.drop(rids)
     nbytes = batch1_bytes(engine)
-    out = dict(precision=precision, served=worker.quantization.method, step1=step1, step32=step32, split=split,
-               bytes=nbytes, floor=nbytes / bandwidth, formats=worker.quantization.formats,
+    out = dict(precision=precision, served=worker.quantization.method, step1=step1, ops1=ops1, step32=step32, decoder=decoder is not None,
+               split=split, bytes=nbytes, floor=nbytes / bandwidth, formats=worker.quantization.formats,
                kernels=worker.quantization.kernels)
     engine.shutdown()
     return out
@@ -110,12 +119,13 @@ def main() -> None:
     steps = 20 if args.quick else 200
     rows = [run(p, steps, machine.bandwidth) for p in PRECISIONS]
     print(f"\nDecode on SmolLM2-135M ({CONTEXT}-token prompts), median step:\n")
-    print("| --quantization | served | batch 1 ms | tok/s | GEMM ms | attention ms | rest ms | MB read per token "
-          "| floor ms | vs floor | batch 32 ms | tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| --quantization | served | batch 1 ms | tok/s | op by op ms | its GEMM ms | its attention ms | its rest ms "
+          "| MB read per token | floor ms | vs floor | batch 32 ms | tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         s = r["split"]
-        print(f"| {r['precision']} | {r['served']} | {r['step1'] * 1e3:.2f} | {1 / r['step1']:.0f} | "
+        ops = f"{r['ops1'] * 1e3:.2f}" if r["decoder"] else "(the same)"
+        print(f"| {r['precision']} | {r['served']} | {r['step1'] * 1e3:.2f} | {1 / r['step1']:.0f} | {ops} | "
               f"{s.get('gemm', 0) * 1e3:.2f} | {s.get('attention', 0) * 1e3:.2f} | {s['rest'] * 1e3:.2f} | "
               f"{r['bytes'] / 1e6:.1f} | {r['floor'] * 1e3:.2f} | {r['step1'] / r['floor']:.1f}x | "
               f"{r['step32'] * 1e3:.1f} | {32 / r['step32']:.0f} |")

@@ -21,6 +21,7 @@ from radixlm.runtime.worker.forward_batch import FUTURE_BASE, ForwardBatch, Work
 from radixlm.runtime.worker.layers import use_native_ops
 from radixlm.runtime.worker.loader import iter_weights
 from radixlm.runtime.worker.models.llama import ARCHITECTURES
+from radixlm.runtime.worker.native_decoder import NativeDecoder
 from radixlm.runtime.worker.parallel import SINGLE, TPContext, receive_batch, send_batch
 from radixlm.runtime.worker.sampler import Sampler
 
@@ -99,6 +100,7 @@ class ModelWorker:
             self.draft = DraftModel(draft_model, self._linear_mode(draft_model), self._kv_pool(self.draft_config),
                                     self.attn_backend)
         self.graph_runner = self._graph_runner()
+        self.native_decoder = NativeDecoder.build(self)
         self.sampler = Sampler()
         self._sampled = torch.zeros(1, dtype=torch.int64, device=self.device)  # the latest step's tokens
         torch.manual_seed(args.random_seed)
@@ -316,6 +318,8 @@ class ModelWorker:
     def _hidden(self, b: WorkerBatch) -> torch.Tensor:
         if self.graph_runner is not None and self.graph_runner.fits(b):
             return self.graph_runner.run(b)
+        if self.native_decoder is not None and self.native_decoder.fits(b, self.linear_mode):
+            return self.native_decoder.run(b)
         fb = ForwardBatch.of(b, self.kv_pool, self.req_to_token, self.attn_backend)
         self.attn_backend.prepare(fb)
         return self.model(fb)

@@ -190,3 +190,96 @@ def test_decode_attention_reads_the_pool_through_the_table(rows, group, d, seed)
         alone = cpu.decode_attention(q[r : r + 1].clone(), k_pool, v_pool, table, table_rows[r : r + 1],
                                      lens[r : r + 1], 0.125)
         assert torch.equal(alone, outs[-1][r : r + 1])
+
+
+def _random_decoder(seed: int, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, d: int = 16,
+                    inner: int = 96, slots: int = 64):
+    """A small decoder on random 4- and 8-bit codes (zero points on some, a qkv bias), its pools and tables."""
+    g = torch.Generator().manual_seed(seed)
+
+    def matrix(n: int, k: int, bits: int):
+        codes = torch.randint(0, 16, (n, k), generator=g) if bits == 4 else torch.randint(-128, 128, (n, k), generator=g)
+        scale = (torch.rand(n, k // 32, generator=g) * 0.05).half()
+        zero = -(torch.rand(n, k // 32, generator=g) * 0.2).half() if bits == 4 else torch.empty(0)
+        return [cpu.pack_codes(codes, bits), scale, zero]
+
+    width = (heads + 2 * kv_heads) * d
+    weights = []
+    for layer in range(layers):
+        bits = 4 if layer % 2 == 0 else 8
+        weights += [1 + 0.1 * torch.randn(hidden, generator=g), *matrix(width, hidden, bits), torch.randn(width, generator=g),
+                    *matrix(hidden, heads * d, bits), 1 + 0.1 * torch.randn(hidden, generator=g),
+                    *matrix(2 * inner, hidden, bits), *matrix(hidden, inner, bits)]
+    weights.append(1 + 0.1 * torch.randn(hidden, generator=g))
+    pools = [[torch.randn(kv_heads, slots, d, generator=g) for _ in range(layers)] for _ in range(2)]
+    freqs = torch.outer(torch.arange(128).float(), 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))
+    cos2, sin2 = torch.cat([freqs.cos()] * 2, -1), torch.cat([freqs.sin()] * 2, -1)
+    return weights, pools, cos2, sin2, (heads, kv_heads, d)
+
+
+def _decoder_by_ops(weights, pools, cos2, sin2, dims, h, positions, out_slots, table, rows, lens, isa):
+    """The decoder's step composed of the library's ops, in the model's order (layers.py, llama.py)."""
+    heads, kv_heads, d = dims
+    eps, scale = 1e-5, d ** -0.5
+
+    def linear(x, codes, s, z, bias=None):
+        bits = 4 if codes.shape[1] * 2 == x.shape[1] else 8
+        y = cpu.quant_matmul(x, codes, s, z if z.numel() else None, bits, isa=isa)
+        return y if bias is None else y + bias
+
+    residual = h.clone()
+    x = cpu.rms_norm(residual, weights[0], eps, isa=isa)
+    for layer in range(len(pools[0])):
+        w = weights[15 * layer : 15 * layer + 15]
+        if layer:
+            x = cpu.rms_norm(y, w[0], eps, residual, isa=isa)
+        qkv = linear(x, *w[1:5])
+        cpu.rope_store(qkv, positions, cos2, sin2, pools[0][layer], pools[1][layer], out_slots, heads, kv_heads, isa=isa)
+        attn = cpu.decode_attention(qkv[:, : heads * d], pools[0][layer], pools[1][layer], table, rows, lens, scale, isa=isa)
+        y = linear(attn, *w[5:8])
+        x = cpu.rms_norm(y, w[8], eps, residual, isa=isa)
+        y = linear(cpu.silu_mul(linear(x, *w[9:12]), isa=isa), *w[12:15])
+    return cpu.rms_norm(y, weights[-1], eps, residual, isa=isa)
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_decoder_is_its_ops_in_order(isa, rows):
+    """torch.classes.radixlm.Decoder (one call for a decode step's layers) against the same step
+    composed of the ops, each tested above: the output and the pools it writes, bit for bit."""
+    cpu.load()
+    weights, pools, cos2, sin2, dims = _random_decoder(rows)
+    table = torch.randperm(64).view(4, 16)
+    req_rows = torch.tensor([2, 0, 3][:rows])
+    lens = torch.tensor([9, 16, 5][:rows])
+    positions = lens - 1
+    out_slots = table[req_rows, positions]
+    h = torch.randn(rows, 64)
+    mine = [[p.clone() for p in pools[0]], [p.clone() for p in pools[1]]]
+    decoder = torch.classes.radixlm.Decoder(weights, mine[0], mine[1], cos2, sin2, *dims, 1e-5, dims[2] ** -0.5)
+    got = decoder.forward(h, positions, out_slots, table, req_rows, lens, isa)
+    want = _decoder_by_ops(weights, pools, cos2, sin2, dims, h, positions, out_slots, table, req_rows, lens, isa)
+    assert torch.equal(got, want)
+    for a, b in zip(mine[0] + mine[1], pools[0] + pools[1]):
+        assert torch.equal(a, b)
+
+
+def test_the_decoder_names_bad_arguments():
+    cpu.load()
+    weights, pools, cos2, sin2, dims = _random_decoder(0)
+    Decoder = torch.classes.radixlm.Decoder
+    with pytest.raises(RuntimeError, match="whole layers"):
+        Decoder(weights[:-1], pools[0], pools[1], cos2, sin2, *dims, 1e-5, 0.25)
+    with pytest.raises(RuntimeError, match="qkv codes must be"):
+        Decoder([weights[0], weights[1][:5]] + weights[2:], pools[0], pools[1], cos2, sin2, *dims, 1e-5, 0.25)
+    decoder = Decoder(weights, pools[0], pools[1], cos2, sin2, *dims, 1e-5, 0.25)
+    table = torch.arange(64).view(4, 16)
+    one = torch.tensor([0])
+    with pytest.raises(RuntimeError, match="outside the rotary tables"):
+        decoder.forward(torch.randn(1, 64), torch.tensor([500]), one, table, one, torch.tensor([1]), -1)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        decoder.forward(torch.randn(1, 64), one, torch.tensor([64]), table, one, torch.tensor([1]), -1)
+    with pytest.raises(RuntimeError, match="no valid token-table row"):
+        decoder.forward(torch.randn(1, 64), one, one, table, one, torch.tensor([17]), -1)
+    with pytest.raises(RuntimeError, match="h must have 64 columns"):
+        decoder.forward(torch.randn(1, 32), one, one, table, one, torch.tensor([1]), -1)

@@ -73,6 +73,70 @@ def test_chat_and_batches_on_the_quantized_kernels(served):
     assert_drained(served)
 
 
+def _greedy_with_and_without_the_decoder(engine, prompts, new_tokens):
+    """The same batch run with decode steps in one native call, then op by op, from a flushed cache."""
+    params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+    decoder = engine.worker.native_decoder
+    assert decoder is not None
+    runs = []
+    try:
+        for on in (True, False):
+            engine.worker.native_decoder = decoder if on else None
+            engine.scheduler.flush_cache()
+            steps = decoder.steps
+            runs.append(engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True))
+            assert (decoder.steps > steps) == on
+            assert_drained(engine)
+    finally:
+        engine.worker.native_decoder = decoder
+    return runs
+
+
+def test_the_native_decoder_is_the_ops_bit_for_bit(served):
+    """A decode step in one native call (runtime/worker/native_decoder.py) gives the same bits as
+    the model's forward op by op: tokens and logprobs, in batches that fit it (6 rows) and in steps
+    that do not (prefill, 12 rows on the dense copies)."""
+    tok = served.tokenizer
+    prompts = [tok.encode(f"Story {i}: once upon a time" + " and then" * (3 * i), add_special_tokens=False)
+               for i in range(12)]
+    for batch in (prompts[:6], prompts):
+        fused, ops = _greedy_with_and_without_the_decoder(served, batch, 12)
+        for a, b in zip(fused, ops):
+            assert a["output_ids"] == b["output_ids"]
+            assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_the_native_decoder_runs_tiny_families(kind, tmp_path):
+    """Tied and untied tables, llama3 rotary scaling, Qwen2's qkv bias: int8 codes through the decoder
+    equal the same codes op by op. Qwen3's q/k norms are not the decoder's: its steps run op by op."""
+    from conftest import make_tiny_checkpoint
+    from oracle import random_prompts
+
+    make_tiny_checkpoint(kind, str(tmp_path))
+    if kind == "qwen2":  # HF starts biases at zero: give them values, so that a bias left out shows
+        import torch
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(5))
+        hf.save_pretrained(str(tmp_path))
+    engine = LocalEngine(str(tmp_path), skip_tokenizer_init=True, max_total_tokens=4096, quantization="int8")
+    try:
+        if kind == "qwen3":
+            assert engine.worker.native_decoder is None
+            return
+        fused, ops = _greedy_with_and_without_the_decoder(engine, random_prompts(512, 5, seed=3), 16)
+        for a, b in zip(fused, ops):
+            assert a["output_ids"] == b["output_ids"]
+            assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
+    finally:
+        engine.shutdown()
+
+
 def test_deterministic_on_quantized_weights(smol):
     engine = LocalEngine(smol.path, tokenizer=smol.engine.tokenizer, max_total_tokens=4096, deterministic=True)
     try:

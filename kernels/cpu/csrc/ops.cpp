@@ -1,18 +1,14 @@
-// The library's torch ops (torch.ops.radixlm.*): argument checks, the ISA chosen once, and the
-// split of rows across torch's intra-op threads. The kernels themselves live in the *_portable
-// and *_avx2 files.
-#include <ATen/Parallel.h>
+// The library's torch ops (torch.ops.radixlm.*): the ISA chosen once, and each op's argument
+// checks before it runs (dispatch.cpp splits the work across threads; the kernels themselves live
+// in the *_portable and *_avx2 files).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <tuple>
-#include <vector>
 
-#include "attention.h"
-#include "common.h"
-#include "elementwise.h"
+#include "tensors.h"
 
 namespace radixlm {
 
@@ -41,43 +37,16 @@ Isa resolve_isa(int64_t requested) {
   return Isa(requested);
 }
 
-namespace {
-
 void check_rows(const at::Tensor& x, const char* what) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "radixlm: ",
               what, " must be a contiguous 2-D float32 CPU tensor, got ", x.scalar_type(), " ", x.sizes());
 }
 
-// Rows of work per thread task: enough that a task is worth a wake-up.
-int64_t grain(int64_t cost_per_row) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cost_per_row)); }
-
-struct Activations {
-  at::Tensor q, d, sum;
-  QuantizedActivations view() const {
-    return {q.data_ptr<int16_t>(), d.data_ptr<float>(), sum.data_ptr<float>(), q.size(0), q.size(1)};
-  }
-};
-
-Activations quantize(const at::Tensor& x, Isa isa) {
-  const int64_t rows = x.size(0), cols = x.size(1);
-  TORCH_CHECK(cols % kBlock == 0, "radixlm: activations need a multiple of ", kBlock, " columns, got ", cols);
-  Activations a{at::empty({rows, cols}, x.options().dtype(at::kShort)), at::empty({rows, cols / kBlock}, x.options()),
-                at::empty({rows, cols / kBlock}, x.options())};
-  auto run = isa == Isa::avx2 ? quantize_rows_avx2 : quantize_rows_portable;
-  const float* src = x.data_ptr<float>();
-  int16_t* q = a.q.data_ptr<int16_t>();
-  float* d = a.d.data_ptr<float>();
-  float* s = a.sum.data_ptr<float>();
-  at::parallel_for(0, rows, grain(cols), [&](int64_t r0, int64_t r1) {
-    run(src + r0 * cols, r1 - r0, cols, q + r0 * cols, d + r0 * (cols / kBlock), s + r0 * (cols / kBlock));
-  });
-  return a;
-}
-
 CodeMatrix code_matrix(const at::Tensor& codes, const at::Tensor& scale, const std::optional<at::Tensor>& zero,
                        int64_t bits, int64_t cols) {
   TORCH_CHECK(bits == 4 || bits == 8, "radixlm: codes must be 4 or 8 bits, got ", bits);
-  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.element_size() == 1, "radixlm: codes must be a contiguous 2-D byte tensor");
+  TORCH_CHECK(codes.device().is_cpu() && codes.dim() == 2 && codes.is_contiguous() && codes.element_size() == 1,
+              "radixlm: codes must be a contiguous 2-D byte tensor");
   const int64_t rows = codes.size(0);
   TORCH_CHECK(codes.size(1) * 8 == cols * bits, "radixlm: ", bits, "-bit codes of ", cols, " columns take ", cols * bits / 8,
               " bytes a row, got ", codes.size(1));
@@ -99,25 +68,83 @@ CodeMatrix code_matrix(const at::Tensor& codes, const at::Tensor& scale, const s
   return {static_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr(), zp, rows, cols, int(bits), half, group};
 }
 
-at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                        const std::optional<at::Tensor>& zero, int64_t bits, int64_t isa_level) {
+void check_pool(const at::Tensor& pool, int64_t kv_heads, int64_t head_dim, const char* what) {
+  TORCH_CHECK(pool.device().is_cpu() && pool.scalar_type() == at::kFloat && pool.is_contiguous() && pool.dim() == 3 &&
+                  pool.size(0) == kv_heads && pool.size(2) == head_dim,
+              "radixlm: ", what, " must be a contiguous float32 [", kv_heads, ", slots, ", head_dim, "] CPU tensor, got ",
+              pool.sizes());
+}
+
+void check_index(const at::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous() && t.dim() == 1 && t.size(0) >= n,
+              "radixlm: ", what, " must be a contiguous int64 CPU vector of at least ", n, " entries");
+}
+
+void check_positions(const at::Tensor& positions, const at::Tensor& out_slots, int64_t tokens, int64_t table_positions,
+                     int64_t slots) {
+  check_index(positions, tokens, "positions");
+  check_index(out_slots, tokens, "out_slots");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = out_slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {  // a bad index is a bug upstream, but never a write out of bounds
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < table_positions, "radixlm: position ", pos[t], " outside the rotary tables");
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "radixlm: KV slot ", slot[t], " outside the pool");
+  }
+}
+
+DecodeRows decode_rows(const at::Tensor& table, const at::Tensor& rows, const at::Tensor& seq_lens, int64_t slots) {
+  const int64_t n = rows.numel();
+  check_index(rows, n, "rows");
+  check_index(seq_lens, n, "seq_lens");
+  TORCH_CHECK(table.device().is_cpu() && table.scalar_type() == at::kLong && table.is_contiguous() && table.dim() == 2,
+              "radixlm: the token table must be a contiguous int64 matrix");
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* tab = table.data_ptr<int64_t>();
+  const int64_t cols = table.size(1);
+  int64_t longest = 1;
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK(row[r] >= 0 && row[r] < table.size(0) && lens[r] > 0 && lens[r] <= cols,
+                "radixlm: decode row ", r, " has no valid token-table row or length");
+    for (int64_t j = 0; j < lens[r]; ++j)
+      TORCH_CHECK(tab[row[r] * cols + j] >= 0 && tab[row[r] * cols + j] < slots,
+                  "radixlm: a token-table slot lies outside the pool");
+    longest = std::max(longest, lens[r]);
+  }
+  return {tab, cols, row, lens, n, longest};
+}
+
+namespace {
+
+struct Activations {  // quantized activations' storage
+  at::Tensor q, d, sum;
+  Activations(int64_t rows, int64_t cols, const at::TensorOptions& options)
+      : q(at::empty({rows, cols}, options.dtype(at::kShort))),
+        d(at::empty({rows, cols / kBlock}, options)),
+        sum(at::empty({rows, cols / kBlock}, options)) {}
+  ActivationBuffer buffer() const { return {q.data_ptr<int16_t>(), d.data_ptr<float>(), sum.data_ptr<float>()}; }
+};
+
+void check_blocks(const at::Tensor& x) {
   check_rows(x, "x");
   TORCH_CHECK(x.size(1) % kBlock == 0, "radixlm: activations need a multiple of ", kBlock, " columns, got ", x.size(1));
+}
+
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                        const std::optional<at::Tensor>& zero, int64_t bits, int64_t isa_level) {
+  check_blocks(x);
   const Isa isa = resolve_isa(isa_level);
   const CodeMatrix w = code_matrix(codes, scale, zero, bits, x.size(1));
-  const Activations a = quantize(x, isa);
-  const QuantizedActivations xa = a.view();
+  const Activations scratch(x.size(0), x.size(1), x.options());
   at::Tensor y = at::empty({x.size(0), w.rows}, x.options());
-  float* out = y.data_ptr<float>();
-  auto run = isa == Isa::avx2 ? matmul_rows_avx2 : matmul_rows_portable;
-  at::parallel_for(0, w.rows, grain(w.row_bytes() * std::max<int64_t>(1, x.size(0) / 4)),
-                   [&](int64_t n0, int64_t n1) { run(xa, w, n0, n1, out); });
+  matmul_into(x.data_ptr<float>(), x.size(0), w, nullptr, scratch.buffer(), y.data_ptr<float>(), isa);
   return y;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x, int64_t isa_level) {
-  check_rows(x, "x");
-  const Activations a = quantize(x, resolve_isa(isa_level));
+  check_blocks(x);
+  const Activations a(x.size(0), x.size(1), x.options());
+  quantize_into(x.data_ptr<float>(), x.size(0), x.size(1), a.buffer(), resolve_isa(isa_level));
   return {a.q, a.d, a.sum};
 }
 
@@ -127,21 +154,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
   const int64_t rows = x.size(0), dim = x.size(1);
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == dim,
               "radixlm: rms_norm weight must be float32 [", dim, "]");
-  const float* src = x.data_ptr<float>();
-  if (residual.has_value() && residual->defined()) {  // residual += x, then normalize the sum
+  float* res = nullptr;
+  if (residual.has_value() && residual->defined()) {
     check_rows(*residual, "residual");
     TORCH_CHECK(residual->sizes() == x.sizes(), "radixlm: residual must be shaped like x");
-    float* res = residual->data_ptr<float>();
-    for (int64_t i = 0; i < rows * dim; ++i) res[i] += src[i];
-    src = res;
+    res = residual->data_ptr<float>();
   }
   at::Tensor out = at::empty(x.sizes(), x.options());
-  auto run = resolve_isa(isa_level) == Isa::avx2 ? rms_norm_rows_avx2 : rms_norm_rows_portable;
-  float* dst = out.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  at::parallel_for(0, rows, grain(dim * 4), [&](int64_t r0, int64_t r1) {
-    run(src + r0 * dim, w, float(eps), r1 - r0, dim, dst + r0 * dim);
-  });
+  rms_norm_into(x.data_ptr<float>(), weight.data_ptr<float>(), float(eps), res, rows, dim, out.data_ptr<float>(),
+                resolve_isa(isa_level));
   return out;
 }
 
@@ -150,25 +171,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t isa_level) {
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "radixlm: silu_mul needs an even number of columns (gate, then up)");
   const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
   at::Tensor out = at::empty({rows, inner}, gate_up.options());
-  auto run = resolve_isa(isa_level) == Isa::avx2 ? silu_mul_rows_avx2 : silu_mul_rows_portable;
-  const float* src = gate_up.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, rows, grain(inner * 8), [&](int64_t r0, int64_t r1) {
-    run(src + r0 * 2 * inner, r1 - r0, inner, dst + r0 * inner);
-  });
+  silu_mul_into(gate_up.data_ptr<float>(), rows, inner, out.data_ptr<float>(), resolve_isa(isa_level));
   return out;
-}
-
-void check_pool(const at::Tensor& pool, int64_t kv_heads, int64_t head_dim, const char* what) {
-  TORCH_CHECK(pool.device().is_cpu() && pool.scalar_type() == at::kFloat && pool.is_contiguous() && pool.dim() == 3 &&
-                  pool.size(0) == kv_heads && pool.size(2) == head_dim,
-              "radixlm: ", what, " must be a contiguous float32 [", kv_heads, ", slots, ", head_dim, "] CPU tensor, got ",
-              pool.sizes());
-}
-
-void check_index(const at::Tensor& t, int64_t n, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.dim() == 1 && t.size(0) >= n, "radixlm: ", what,
-              " must be a contiguous int64 vector of at least ", n, " entries");
 }
 
 TokenLayout token_layout(const at::Tensor& qkv, int64_t heads, int64_t kv_heads) {
@@ -179,30 +183,25 @@ TokenLayout token_layout(const at::Tensor& qkv, int64_t heads, int64_t kv_heads)
   return {qkv.data_ptr<float>(), width, heads, kv_heads, width / (heads + 2 * kv_heads)};
 }
 
+void check_tables(const at::Tensor& cos2, const at::Tensor& sin2, int64_t head_dim) {
+  check_rows(cos2, "cos2");
+  check_rows(sin2, "sin2");
+  TORCH_CHECK(cos2.size(1) == head_dim && sin2.sizes() == cos2.sizes(), "radixlm: rotary tables must be [positions, head_dim]");
+  TORCH_CHECK(head_dim % 2 == 0, "radixlm: rotary needs an even head_dim");
+}
+
 void rope_store(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos2, const at::Tensor& sin2,
                 at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& out_slots, int64_t heads, int64_t kv_heads,
                 int64_t isa_level) {
   const TokenLayout x = token_layout(qkv, heads, kv_heads);
-  const int64_t tokens = qkv.size(0);
-  check_index(positions, tokens, "positions");
-  check_index(out_slots, tokens, "out_slots");
-  check_rows(cos2, "cos2");
-  check_rows(sin2, "sin2");
-  TORCH_CHECK(cos2.size(1) == x.head_dim && sin2.sizes() == cos2.sizes(), "radixlm: rotary tables must be [positions, head_dim]");
-  TORCH_CHECK(x.head_dim % 2 == 0, "radixlm: rotary needs an even head_dim");
+  check_tables(cos2, sin2, x.head_dim);
   check_pool(k_pool, kv_heads, x.head_dim, "k_pool");
   check_pool(v_pool, kv_heads, x.head_dim, "v_pool");
   const KVLayer kv{k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), k_pool.size(1)};
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const int64_t* slots = out_slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) {  // a bad index is a bug upstream, but never a write out of bounds
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos2.size(0), "radixlm: position ", pos[t], " outside the rotary tables");
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < kv.slots, "radixlm: KV slot ", slots[t], " outside the pool");
-  }
-  auto run = resolve_isa(isa_level) == Isa::avx2 ? rope_store_avx2 : rope_store_portable;
-  const float* c = cos2.data_ptr<float>();
-  const float* s = sin2.data_ptr<float>();
-  at::parallel_for(0, tokens, grain(qkv.size(1) * 8), [&](int64_t t0, int64_t t1) { run(x, pos, c, s, kv, slots, t0, t1); });
+  const int64_t tokens = qkv.size(0);
+  check_positions(positions, out_slots, tokens, cos2.size(0), kv.slots);
+  rope_store_tokens(x, tokens, positions.data_ptr<int64_t>(), cos2.data_ptr<float>(), sin2.data_ptr<float>(), kv,
+                    out_slots.data_ptr<int64_t>(), resolve_isa(isa_level));
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -213,41 +212,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
   const int64_t kv_heads = k_pool.size(0), d = k_pool.dim() == 3 ? k_pool.size(2) : 0;
   TORCH_CHECK(d > 0 && q.size(1) % d == 0 && (q.size(1) / d) % kv_heads == 0,
               "radixlm: q's ", q.size(1), " columns are not whole query heads of the pool's ", kv_heads, " x ", d);
-  const int64_t heads = q.size(1) / d, n = rows.numel(), group = heads / kv_heads;
-  TORCH_CHECK(n <= q.size(0), "radixlm: more decode rows than q rows");
-  check_index(rows, n, "rows");
-  check_index(seq_lens, n, "seq_lens");
+  const int64_t heads = q.size(1) / d;
   check_pool(k_pool, kv_heads, d, "k_pool");
   check_pool(v_pool, kv_heads, d, "v_pool");
-  TORCH_CHECK(table.scalar_type() == at::kLong && table.is_contiguous() && table.dim() == 2, "radixlm: the token table must be a contiguous int64 matrix");
   const KVLayer kv{k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), k_pool.size(1)};
-  const int64_t* row = rows.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const int64_t* tab = table.data_ptr<int64_t>();
-  int64_t longest = 1;
-  for (int64_t r = 0; r < n; ++r) {
-    TORCH_CHECK(row[r] >= 0 && row[r] < table.size(0) && lens[r] > 0 && lens[r] <= table.size(1),
-                "radixlm: decode row ", r, " has no valid token-table row or length");
-    for (int64_t j = 0; j < lens[r]; ++j)
-      TORCH_CHECK(tab[row[r] * table.size(1) + j] >= 0 && tab[row[r] * table.size(1) + j] < kv.slots,
-                  "radixlm: a token-table slot lies outside the pool");
-    longest = std::max(longest, lens[r]);
-  }
-  const float* qp = q.data_ptr<float>();
-  const int64_t q_stride = q.stride(0);
-  at::Tensor out = at::empty({n, heads * d}, q.options());
-  float* o = out.data_ptr<float>();
-  auto run = resolve_isa(isa_level) == Isa::avx2 ? decode_head_avx2 : decode_head_portable;
-  // one task per (row, query head), its keys in key order: a lone decode row's 9 heads split
-  // 5:4 over two threads, where its 3 KV heads' groups split 2:1
-  at::parallel_for(0, n * heads, 1, [&](int64_t a, int64_t b) {
-    std::vector<float> scores(longest);
-    for (int64_t task = a; task < b; ++task) {
-      const int64_t r = task / heads, h = task % heads;
-      run(qp + r * q_stride + h * d, d, kv, h / group, tab + row[r] * table.size(1), lens[r], float(scale),
-          scores.data(), o + r * heads * d + h * d);
-    }
-  });
+  const DecodeRows dr = decode_rows(table, rows, seq_lens, kv.slots);
+  TORCH_CHECK(dr.n <= q.size(0), "radixlm: more decode rows than q rows");
+  at::Tensor out = at::empty({dr.n, heads * d}, q.options());
+  decode_attention_into(q.data_ptr<float>(), q.stride(0), heads, d, kv, kv_heads, dr, float(scale), out.data_ptr<float>(),
+                        resolve_isa(isa_level));
   return out;
 }
 

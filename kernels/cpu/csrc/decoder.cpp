@@ -1,0 +1,167 @@
+// A decode step's whole decoder stack in one call (torch.classes.radixlm.Decoder): for a batch of
+// decode rows (one new token each) on quantized weights, every layer's norm, qkv projection,
+// rotary with the K/V store, paged attention, output projection, norm, gate/up projection,
+// SiLU-mul and down projection, then the final norm, with no return to Python between them.
+//
+// It runs the ops' own functions (dispatch.h) in the model's order, so its output is bitwise what
+// the same step gives op by op (tested): which path a step takes never changes a token, also
+// under --deterministic. The weights and the pool are checked once, when the decoder is made;
+// each step's indices once per step, not once per layer.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "tensors.h"
+
+namespace radixlm {
+namespace {
+
+struct Linear {  // one projection on its codes; the tensors are held so the views stay valid
+  at::Tensor codes, scale, zero, bias;
+  CodeMatrix w{};
+  const float* b = nullptr;
+
+  Linear() = default;
+  Linear(const at::Tensor& c, const at::Tensor& s, const at::Tensor& z, const at::Tensor& bias_, int64_t cols,
+         int64_t rows, const char* what)
+      : codes(c), scale(s), zero(z), bias(bias_) {
+    TORCH_CHECK(cols % kBlock == 0, "radixlm: Decoder: ", what, " has ", cols, " input columns, not a multiple of ", kBlock);
+    TORCH_CHECK(c.dim() == 2 && c.size(0) == rows && c.size(1) > 0 && (c.size(1) * 8) % cols == 0,
+                "radixlm: Decoder: ", what, " codes must be [", rows, ", ", cols, " * bits / 8], got ", c.sizes());
+    const bool has_zero = z.defined() && z.numel() > 0;
+    w = code_matrix(c, s, has_zero ? std::optional<at::Tensor>(z) : std::nullopt, c.size(1) * 8 / cols, cols);
+    if (bias_.defined() && bias_.numel() > 0) {
+      TORCH_CHECK(bias_.scalar_type() == at::kFloat && bias_.is_contiguous() && bias_.numel() == rows,
+                  "radixlm: Decoder: ", what, " bias must be float32 [", rows, "]");
+      b = bias_.data_ptr<float>();
+    }
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm, k_pool, v_pool;
+  Linear qkv, o, gate_up, down;
+};
+
+const at::Tensor& vector_of(const at::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n && t.device().is_cpu(),
+              "radixlm: Decoder: ", what, " must be float32 [", n, "]");
+  return t;
+}
+
+}  // namespace
+
+class Decoder : public torch::CustomClassHolder {
+ public:
+  // Tensors per layer, in this order (an empty tensor where a model has none): input norm; qkv
+  // codes, scales, zero points, bias; o codes, scales, zero points; post-attention norm; gate/up
+  // codes, scales, zero points; down codes, scales, zero points. Then the final norm.
+  static constexpr int64_t kPerLayer = 15;
+
+  Decoder(std::vector<at::Tensor> weights, std::vector<at::Tensor> k_pools, std::vector<at::Tensor> v_pools,
+          at::Tensor cos2, at::Tensor sin2, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
+      : cos2_(std::move(cos2)), sin2_(std::move(sin2)), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim),
+        eps_(float(eps)), scale_(float(scale)) {
+    const int64_t n_layers = int64_t(k_pools.size());
+    TORCH_CHECK(n_layers > 0 && int64_t(v_pools.size()) == n_layers && int64_t(weights.size()) == n_layers * kPerLayer + 1,
+                "radixlm: Decoder: ", weights.size(), " weights and ", k_pools.size(), " / ", v_pools.size(),
+                " pools do not make whole layers of ", kPerLayer);
+    TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0 && head_dim % 2 == 0,
+                "radixlm: Decoder: bad head counts");
+    check_rows(cos2_, "cos2");
+    check_rows(sin2_, "sin2");
+    TORCH_CHECK(cos2_.size(1) == head_dim && sin2_.sizes() == cos2_.sizes(), "radixlm: Decoder: rotary tables must be [positions, head_dim]");
+    hidden_ = weights[0].numel();
+    final_norm_ = vector_of(weights.back(), hidden_, "the final norm");
+    const int64_t q_size = heads * head_dim, width = (heads + 2 * kv_heads) * head_dim;
+    for (int64_t l = 0; l < n_layers; ++l) {
+      const at::Tensor* w = weights.data() + l * kPerLayer;
+      Layer layer;
+      layer.input_norm = vector_of(w[0], hidden_, "an input norm");
+      layer.qkv = Linear(w[1], w[2], w[3], w[4], hidden_, width, "qkv");
+      layer.o = Linear(w[5], w[6], w[7], at::Tensor(), q_size, hidden_, "o");
+      layer.post_norm = vector_of(w[8], hidden_, "a post-attention norm");
+      const int64_t inner2 = w[9].size(0);
+      TORCH_CHECK(inner2 % 2 == 0, "radixlm: Decoder: gate/up needs an even number of rows");
+      inner_ = inner2 / 2;
+      layer.gate_up = Linear(w[9], w[10], w[11], at::Tensor(), hidden_, inner2, "gate/up");
+      layer.down = Linear(w[12], w[13], w[14], at::Tensor(), inner_, hidden_, "down");
+      check_pool(k_pools[l], kv_heads, head_dim, "k_pool");
+      check_pool(v_pools[l], kv_heads, head_dim, "v_pool");
+      TORCH_CHECK(k_pools[l].size(1) == k_pools[0].size(1) && v_pools[l].size(1) == k_pools[0].size(1),
+                  "radixlm: Decoder: every layer's pool must have the same slots");
+      layer.k_pool = k_pools[l];
+      layer.v_pool = v_pools[l];
+      layers_.push_back(std::move(layer));
+    }
+    slots_ = k_pools[0].size(1);
+  }
+
+  // h [n, hidden]: the decode rows' embeddings; returns the final norm's output [n, hidden].
+  at::Tensor forward(const at::Tensor& h, const at::Tensor& positions, const at::Tensor& out_slots,
+                     const at::Tensor& table, const at::Tensor& rows, const at::Tensor& seq_lens, int64_t isa_level) {
+    check_rows(h, "h");
+    TORCH_CHECK(h.size(1) == hidden_, "radixlm: Decoder: h must have ", hidden_, " columns, got ", h.size(1));
+    const int64_t n = h.size(0);
+    const Isa isa = resolve_isa(isa_level);
+    check_positions(positions, out_slots, n, cos2_.size(0), slots_);
+    const DecodeRows dr = decode_rows(table, rows, seq_lens, slots_);
+    TORCH_CHECK(dr.n == n, "radixlm: Decoder: ", dr.n, " decode rows for ", n, " tokens");
+    const int64_t q_size = heads_ * head_dim_, width = (heads_ + 2 * kv_heads_) * head_dim_;
+    const auto options = h.options();
+    at::Tensor residual = h.clone();
+    at::Tensor x = at::empty({n, hidden_}, options), y = at::empty({n, hidden_}, options);
+    at::Tensor qkv = at::empty({n, width}, options), attn = at::empty({n, q_size}, options);
+    at::Tensor gate_up = at::empty({n, 2 * inner_}, options), act = at::empty({n, inner_}, options);
+    const int64_t widest = std::max({hidden_, q_size, inner_});
+    at::Tensor q8 = at::empty({n, widest}, options.dtype(at::kShort)), d = at::empty({n, widest / kBlock}, options);
+    at::Tensor sums = at::empty({n, widest / kBlock}, options);
+    const ActivationBuffer scratch{q8.data_ptr<int16_t>(), d.data_ptr<float>(), sums.data_ptr<float>()};
+    float* res = residual.data_ptr<float>();
+    float* xp = x.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    float* qkvp = qkv.data_ptr<float>();
+    float* attnp = attn.data_ptr<float>();
+    float* gup = gate_up.data_ptr<float>();
+    float* actp = act.data_ptr<float>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* slot = out_slots.data_ptr<int64_t>();
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& L = layers_[l];
+      // the first layer normalizes the embeddings; later ones add the last output into the residual first
+      rms_norm_into(l == 0 ? res : yp, L.input_norm.data_ptr<float>(), eps_, l == 0 ? nullptr : res, n, hidden_, xp, isa);
+      matmul_into(xp, n, L.qkv.w, L.qkv.b, scratch, qkvp, isa);
+      const KVLayer kv{L.k_pool.data_ptr<float>(), L.v_pool.data_ptr<float>(), slots_};
+      rope_store_tokens({qkvp, width, heads_, kv_heads_, head_dim_}, n, pos, cos2_.data_ptr<float>(),
+                        sin2_.data_ptr<float>(), kv, slot, isa);
+      decode_attention_into(qkvp, width, heads_, head_dim_, kv, kv_heads_, dr, scale_, attnp, isa);
+      matmul_into(attnp, n, L.o.w, L.o.b, scratch, yp, isa);
+      rms_norm_into(yp, L.post_norm.data_ptr<float>(), eps_, res, n, hidden_, xp, isa);
+      matmul_into(xp, n, L.gate_up.w, nullptr, scratch, gup, isa);
+      silu_mul_into(gup, n, inner_, actp, isa);
+      matmul_into(actp, n, L.down.w, nullptr, scratch, yp, isa);
+    }
+    at::Tensor out = at::empty({n, hidden_}, options);
+    rms_norm_into(yp, final_norm_.data_ptr<float>(), eps_, res, n, hidden_, out.data_ptr<float>(), isa);
+    return out;
+  }
+
+ private:
+  std::vector<Layer> layers_;
+  at::Tensor final_norm_, cos2_, sin2_;
+  int64_t heads_, kv_heads_, head_dim_, hidden_ = 0, inner_ = 0, slots_ = 0;
+  float eps_, scale_;
+};
+
+TORCH_LIBRARY_FRAGMENT(radixlm, m) {
+  m.class_<Decoder>("Decoder")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, at::Tensor,
+                       int64_t, int64_t, int64_t, double, double>())
+      .def("forward", &Decoder::forward);
+}
+
+}  // namespace radixlm

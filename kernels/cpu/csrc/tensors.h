@@ -1,0 +1,33 @@
+// Tensor checks shared by the torch ops (ops.cpp) and the decoder (decoder.cpp): each turns
+// tensors into the kernels' views after checking shapes, dtypes and every index the kernels
+// will follow, so a bad argument is a clear error and never a read or write out of bounds.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+#include "attention.h"
+#include "common.h"
+#include "dispatch.h"
+
+namespace radixlm {
+
+void check_rows(const at::Tensor& x, const char* what);  // contiguous 2-D float32 on the CPU
+
+// codes [rows, cols * bits / 8], scale (and zero, optional) [rows, cols / group]
+CodeMatrix code_matrix(const at::Tensor& codes, const at::Tensor& scale, const std::optional<at::Tensor>& zero,
+                       int64_t bits, int64_t cols);
+
+void check_pool(const at::Tensor& pool, int64_t kv_heads, int64_t head_dim, const char* what);
+void check_index(const at::Tensor& t, int64_t n, const char* what);
+
+// positions inside the rotary tables, out_slots inside the pool
+void check_positions(const at::Tensor& positions, const at::Tensor& out_slots, int64_t tokens, int64_t table_positions,
+                     int64_t slots);
+
+// n decode rows through the token table: each row's table row and length valid, each of its
+// slots inside the pool
+DecodeRows decode_rows(const at::Tensor& table, const at::Tensor& rows, const at::Tensor& seq_lens, int64_t slots);
+
+}  // namespace radixlm
