@@ -61,8 +61,7 @@ def main() -> None:
 
     def on_codes(bits: int, isa: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
         def run(x: torch.Tensor, i: int) -> torch.Tensor:
-            q = served[bits][i]
-            return cpu.quant_matmul(x, q.codes, q.scale, q.zero, bits, isa)
+            return cpu.quant_matmul(x, served[bits][i].tiled, isa)
         return run
 
     paths: dict[str, tuple[Callable[[torch.Tensor, int], torch.Tensor], int, list[torch.Tensor]]] = {

@@ -7,10 +7,13 @@ portable path; 1: AVX2+FMA+F16C) so tests can run each path against the portable
 
     from radixlm.kernels import cpu
     cpu.load()                      # builds once per machine; raises cpu.NativeBuildError
-    y = cpu.quant_matmul(x, codes, scale, zero, bits=4)
+    w = cpu.tile(codes, scale, zero, bits=4)  # once, at load: the kernels' layout
+    y = cpu.quant_matmul(x, w)
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -30,39 +33,105 @@ def isa_name(isa: int = -1) -> str:
     return ISA_NAMES[best_isa() if isa < 0 else isa]
 
 
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """[n, k] integer codes in column order (0..15 for 4 bits, int8 for 8) in the kernels' layout:
-    8-bit ones as they are; 4-bit ones two a byte, in each group of 32 byte j holding column j
-    (low nibble) and column j + 16 (high), GGUF's own order."""
-    if bits == 8:
-        return codes.to(torch.int8).contiguous()
-    n = codes.shape[0]
-    g = codes.to(torch.uint8).view(n, -1, BLOCK)
-    return (g[..., :16] | (g[..., 16:] << 4)).view(n, -1).contiguous()
+TILE_ROWS = 8  # weight rows per tile (csrc/common.h)
 
 
-def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """The inverse of pack_codes: [n, k] int32 codes in column order."""
-    if bits == 8:
-        return codes.view(torch.int8).to(torch.int32)
-    n = codes.shape[0]
-    g = codes.view(n, -1, BLOCK // 2).to(torch.int32)
-    return torch.cat([g & 15, g >> 4], -1).view(n, -1)
+class Tiled(NamedTuple):
+    """A matrix's codes, scales and zero points laid out for the kernels (`tile`): `tiles` is uint8
+    [ceil(rows / 8), cols / 32, tile bytes], the rest its format."""
+
+    tiles: torch.Tensor
+    rows: int
+    cols: int
+    bits: int  # 4: codes 0..15; 8: int8
+    group: int  # columns per scale: 32, or 16 (8-bit codes without zero points)
+    half: bool  # scales and zero points in fp16 (else fp32)
+    zero: bool  # zero points present
+
+    @property
+    def format(self) -> list[int]:
+        """(rows, bits, group, half, zero): what the ops take beside the tiles."""
+        return [self.rows, self.bits, self.group, int(self.half), int(self.zero)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.numel()
 
 
-def quant_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
-                 isa: int = -1) -> torch.Tensor:
-    """x W^T for x [m, k] float32 and W [n, k] given as codes in groups of 32 columns:
-    w = scale * code + zero, with scale and zero [n, k / 32] (float32 or float16; zero may be
-    None) and codes uint8 [n, k / 2] (4 bits, 0..15, byte j of a group holding column j low and
-    j + 16 high: GGUF's order) or int8 [n, k] (8 bits). Returns float32 [m, n].
+def tile(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int) -> Tiled:
+    """w = scale * code + zero, codes [n, k] integers in column order (0..15 for 4 bits, -128..127
+    for 8), scale and zero [n, k / group] fp16 or fp32 (zero may be None), laid out for the kernels
+    once: rows in groups of 8 (the last padded with zeros), each group's blocks of 32 columns in
+    order, one tile each holding the 8 rows' scales, zero points and codes (csrc/common.h)."""
+    n, k = codes.shape
+    group = k // scale.shape[1]
+    if bits not in (4, 8) or group not in (16, BLOCK) or (group == 16 and (bits != 8 or zero is not None)):
+        raise ValueError(f"the kernels take 4- or 8-bit codes in groups of {BLOCK} (16: 8-bit, no zero points), "
+                         f"not {bits}-bit in groups of {group}")
+    half = scale.dtype == torch.float16
+    groups, nb, pad = -(-n // TILE_ROWS), k // BLOCK, -n % TILE_ROWS
+
+    def rows_padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+    c = rows_padded(codes.to(torch.int32))
+    if bits == 4:  # chunk j, word i (row i // 2, column 2 (4j + k) + i % 2 in bits 4k..4k+3)
+        c = c.view(groups, TILE_ROWS, nb, 4, 4, 2).permute(0, 2, 3, 1, 5, 4).reshape(groups, nb, 4, 16, 4)
+        words = (c << torch.tensor([0, 4, 8, 12], dtype=torch.int32)).sum(-1)
+        code_bytes = torch.stack([words & 0xFF, words >> 8], -1).to(torch.uint8).view(groups, nb, -1)
+    else:  # chunk j, word i: low byte column 4j + i % 2, high byte 4j + 2 + i % 2 of row i // 2
+        c = c.view(groups, TILE_ROWS, nb, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)
+        code_bytes = c.to(torch.int8).reshape(groups, nb, -1).view(torch.uint8)
+    dtype = torch.float16 if half else torch.float32
+
+    def per_tile(t: torch.Tensor) -> torch.Tensor:  # [n, blocks * parts] -> [groups, blocks, parts * 8] bytes
+        parts = t.shape[1] // nb
+        t = rows_padded(t.to(dtype)).view(groups, TILE_ROWS, nb, parts).permute(0, 2, 3, 1)
+        return t.contiguous().view(torch.uint8).view(groups, nb, -1)
+
+    pieces = [per_tile(scale)] + ([per_tile(zero)] if zero is not None else []) + [code_bytes]
+    return Tiled(torch.cat(pieces, -1).contiguous(), n, k, bits, group, half, zero is not None)
+
+
+def untile(t: Tiled, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The inverse of `tile` (for `rows` only, where given): codes [r, k] int32 in column order,
+    scale and zero [r, k / group] in the tiles' dtype (zero None where there are none)."""
+    ids = torch.arange(t.rows) if rows is None else rows.reshape(-1)
+    tiles = t.tiles[ids // TILE_ROWS]  # [r, blocks, tile bytes]: each row's group
+    r, nb = ids.shape[0], t.cols // BLOCK
+    dtype, size = (torch.float16, 2) if t.half else (torch.float32, 4)
+    parts = BLOCK // t.group
+    scale_bytes, zero_bytes = TILE_ROWS * parts * size, TILE_ROWS * size if t.zero else 0
+    within = (ids % TILE_ROWS)[:, None, None]
+
+    def values(first: int, count: int) -> torch.Tensor:
+        v = tiles[:, :, first : first + count * TILE_ROWS * size].contiguous().view(dtype).view(r, nb, count, TILE_ROWS)
+        return v.gather(3, within[..., None].expand(r, nb, count, 1)).view(r, nb * count)
+
+    scale = values(0, parts)
+    zero = values(scale_bytes, 1) if t.zero else None
+    chunks = tiles[:, :, scale_bytes + zero_bytes :].to(torch.int32)
+    if t.bits == 4:
+        words = (chunks[..., 0::2] | (chunks[..., 1::2] << 8)).view(r, nb, 4, TILE_ROWS, 2)  # [j, row, e]
+        words = words.gather(3, within[..., None, None].expand(r, nb, 4, 1, 2)).squeeze(3)  # [r, nb, j, e]
+        nibbles = (words[..., None] >> torch.tensor([0, 4, 8, 12])) & 15  # [r, nb, j, e, k]
+        codes = nibbles.permute(0, 1, 2, 4, 3).reshape(r, -1)  # column 8j + 2k + e
+    else:
+        b = chunks.to(torch.uint8).view(torch.int8).to(torch.int32).view(r, nb, 8, TILE_ROWS, 2, 2)  # [j, row, e, h]
+        b = b.gather(3, within[..., None, None, None].expand(r, nb, 8, 1, 2, 2)).squeeze(3)  # [r, nb, j, e, h]
+        codes = b.permute(0, 1, 2, 4, 3).reshape(r, -1)  # column 4j + 2h + e
+    return codes, scale, zero
+
+
+def quant_matmul(x: torch.Tensor, w: Tiled, isa: int = -1) -> torch.Tensor:
+    """x W^T for x [m, k] float32 and W the tiled codes (`tile`). Returns float32 [m, n].
 
     x is quantized per block of 32 columns to int16 (x ~= d q, d = max|x| / 32767, round half
-    to even: finer than bf16, so the weights' codes are the only coarse factor); each output is sum_b (scale_b d_b <codes_b, q_b> + zero_b d_b sum(q_b)) with the
-    integer dots exact, the blocks accumulated in order in 8 lanes, the lanes summed in a fixed
-    tree: one order per output whatever m, so results are batch invariant, and every ISA path
-    is bitwise the portable one."""
-    return torch.ops.radixlm.quant_matmul(x, codes, scale, zero, bits, isa)
+    to even: finer than bf16, so the weights' codes are the only coarse factor); each output is
+    sum_b (scale_b d_b <codes_b, q_b>) + sum_b (zero_b d_b sum(q_b)), the integer dots exact,
+    each sum taken over the blocks in order in fp32: one order per output whatever m, so results
+    are batch invariant, and every ISA path is bitwise the portable one."""
+    return torch.ops.radixlm.quant_matmul(x, w.tiles, *w.format, isa)
 
 
 def quantize_activations(x: torch.Tensor, isa: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -103,5 +172,6 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     return torch.ops.radixlm.decode_attention(q, k_pool, v_pool, table, rows, seq_lens, scale, isa)
 
 
-__all__ = ["BLOCK", "ISA_NAMES", "NativeBuildError", "best_isa", "cpu_flags", "decode_attention", "isa_name", "load", "pack_codes", "quant_matmul",
-           "quantize_activations", "rms_norm", "rope_store", "silu_mul", "unpack_codes"]
+__all__ = ["BLOCK", "ISA_NAMES", "NativeBuildError", "TILE_ROWS", "Tiled", "best_isa", "cpu_flags", "decode_attention",
+           "isa_name", "load", "quant_matmul", "quantize_activations", "rms_norm", "rope_store", "silu_mul", "tile",
+           "untile"]

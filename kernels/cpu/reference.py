@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixlm.kernels.cpu import unpack_codes
-
 BLOCK = 32
 
 
@@ -20,8 +18,9 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return q.to(torch.int16).view(m, k), d, d * q.sum(-1)
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int) -> torch.Tensor:
-    w = unpack_codes(codes, bits).double()
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    """codes [n, k] integers in column order."""
+    w = codes.double()
     n, k = w.shape
     group = k // scale.shape[1]  # 32, or 16 (8-bit codes without zero points)
     g = w.view(n, k // group, group) * scale.double()[..., None]
@@ -30,13 +29,12 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | No
     return g.view(n, k)
 
 
-def quant_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                 bits: int) -> torch.Tensor:
+def quant_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
     """In float64: the dequantized weights times the quantized activations."""
     q, d, _ = quantize_activations(x)
     m, k = x.shape
     xq = (q.double().view(m, k // BLOCK, BLOCK) * d.double()[..., None]).view(m, k)
-    return (xq @ dequantize(codes, scale, zero, bits).T).float()
+    return (xq @ dequantize(codes, scale, zero).T).float()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -35,20 +35,20 @@ class NativeDecoder:
     def __init__(self, worker: ModelWorker) -> None:
         model, cfg = worker.model, worker.config
         weights: list[torch.Tensor] = []
+        formats: list[int] = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            weights.append(layer.input_layernorm.weight.data)
-            weights += _codes(attn.qkv_proj.weight)
-            weights.append(_NONE if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data)
-            weights += _codes(attn.o_proj.weight)
-            weights.append(layer.post_attention_layernorm.weight.data)
-            weights += _codes(mlp.gate_up_proj.weight)
-            weights += _codes(mlp.down_proj.weight)
+            weights += [layer.input_layernorm.weight.data, attn.qkv_proj.weight.tiled.tiles,
+                        _NONE if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data,
+                        attn.o_proj.weight.tiled.tiles, layer.post_attention_layernorm.weight.data,
+                        mlp.gate_up_proj.weight.tiled.tiles, mlp.down_proj.weight.tiled.tiles]
+            for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                formats += proj.weight.tiled.format
         weights.append(model.norm.weight.data)
         first = model.layers[0].self_attn
         pool = worker.kv_pool
         self._decoder = torch.classes.radixlm.Decoder(
-            weights, pool.k_heads, pool.v_heads, model.rotary.cos2, model.rotary.sin2, first.num_heads,
+            weights, formats, pool.k_heads, pool.v_heads, model.rotary.cos2, model.rotary.sin2, first.num_heads,
             first.num_kv_heads, first.head_dim, float(cfg.rms_norm_eps), float(first.scale))
         self.worker = worker
         self.steps = 0  # decode steps run here
@@ -84,6 +84,3 @@ class NativeDecoder:
         return self._decoder.forward(h, b.positions, b.out_slots, self.worker.req_to_token.table, b.req_rows,
                                      b.seq_lens, -1)
 
-
-def _codes(w: QuantizedMatrix) -> list[torch.Tensor]:
-    return [w.codes, w.scale, _NONE if w.zero is None else w.zero]

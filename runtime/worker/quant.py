@@ -2,8 +2,10 @@
 
 A served matrix is integer codes in groups of 32 input columns, w = scale * code + zero: 4-bit
 codes (0..15) or 8-bit (int8), scale and zero per group, kept in fp16 where that is exact (the
-file's own fp16 values) and fp32 where it is not. `radixlm.kernels.cpu.quant_matmul` quantizes
-the activations per block of 32 to int8 and takes integer dot products against the codes.
+file's own fp16 values) and fp32 where it is not, laid out once at load in the kernels' tiles
+(`radixlm.kernels.cpu.tile`: 8 rows' codes, scales and zero points together, one stream a
+matrix). `radixlm.kernels.cpu.quant_matmul` quantizes the activations per block of 32 to int16
+and takes integer dot products against the codes.
 
 A GGUF block format that is a scale and zero point per 32 columns serves its own codes, read by
 loader.py: Q4_1 (w = d * q + m), Q4_0 (w = d * q - 8d), Q4_K (w = d * sc * q - dmin * m per
@@ -119,14 +121,14 @@ class QuantizedMatrix:
                              f"zero points), not {blocks.group}")
         self.bits, self.group = b.bits, b.group
         self.out_features, self.in_features = b.codes.shape
-        self.codes = cpu.pack_codes(b.codes, b.bits)
-        self.scale = _compact(b.scale)
-        self.zero = _compact(b.zero).to(self.scale.dtype) if b.zero.any() else None
-        self.code_bytes = self.codes.numel() + sum(t.numel() * t.element_size() for t in (self.scale, self.zero)
-                                                   if t is not None)
+        scale = _compact(b.scale)
+        zero = _compact(b.zero).to(scale.dtype) if b.zero.any() else None
+        self.tiled = cpu.tile(b.codes, scale, zero, b.bits)
+        self.code_bytes = self.tiled.nbytes
         self.dense: torch.Tensor | None = None  # oneDNN-packed copy for large batches, when the plan uses one
         cpu.load()
         self._op = torch.ops.radixlm.quant_matmul.default
+        self._format = self.tiled.format
         self.dtype = torch.float32  # the model's: what an embedding lookup returns (quantize_model sets it)
 
     @property
@@ -156,20 +158,19 @@ class QuantizedMatrix:
         return y if bias is None else y + bias
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T on the codes (radixlm.kernels.cpu.quant_matmul, its overload called directly:
-        about 120 calls a token)."""
+        """x W^T on the codes (radixlm.kernels.cpu.quant_matmul, its overload called directly)."""
         x32 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
-        y = self._op(x32, self.codes, self.scale, self.zero, self.bits, -1)
+        y = self._op(x32, self.tiled.tiles, *self._format, -1)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the table, from the codes: only those rows are read."""
+        """Rows `ids` of the table, from the codes: only those rows' tiles are read."""
         from radixlm.kernels import cpu
 
-        codes = cpu.unpack_codes(self.codes[ids.reshape(-1)], self.bits).float()
-        g = codes.view(-1, self.in_features // self.group, self.group) * self.scale[ids.reshape(-1)].float()[..., None]
-        if self.zero is not None:
-            g = g + self.zero[ids.reshape(-1)].float()[..., None]
+        codes, scale, zero = cpu.untile(self.tiled, ids)
+        g = codes.float().view(-1, self.in_features // self.group, self.group) * scale.float()[..., None]
+        if zero is not None:
+            g = g + zero.float()[..., None]
         return g.view(*ids.shape, self.in_features).to(self.dtype)
 
 

@@ -19,7 +19,7 @@ def _matrix(gen: torch.Generator, n: int, k: int, bits: int, half: bool, with_ze
     dtype = torch.float16 if half else torch.float32
     scale = (torch.rand(n, k // group, generator=gen) * 0.05).to(dtype)
     zero = (torch.randn(n, k // group, generator=gen) * 0.05).to(dtype) if with_zero else None
-    return raw, cpu.pack_codes(raw, bits), scale, zero
+    return raw, cpu.tile(raw, scale, zero, bits), scale, zero
 
 
 @settings(max_examples=60, deadline=None)
@@ -29,20 +29,23 @@ def test_quant_matmul_against_the_reference_and_across_paths(m, n, blocks, kind,
     gen = torch.Generator().manual_seed(seed)
     k = 32 * blocks
     bits, group = int(kind[0]), (16 if "g16" in kind else 32)  # groups of 16: Q6_K's, 8-bit codes, no zero points
-    raw, codes, scale, zero = _matrix(gen, n, k, bits, half, with_zero and group == 32, group)
-    assert torch.equal(cpu.unpack_codes(codes, bits), raw.to(torch.int32))
+    raw, tiled, scale, zero = _matrix(gen, n, k, bits, half, with_zero and group == 32, group)
+    back = cpu.untile(tiled)  # the layout holds exactly what it was given
+    assert torch.equal(back[0], raw.to(torch.int32)) and torch.equal(back[1], scale)
+    assert (back[2] is None) == (zero is None) and (zero is None or torch.equal(back[2], zero))
+    rows = torch.tensor([n - 1, 0, n // 2])
+    assert torch.equal(cpu.untile(tiled, rows)[0], raw[rows].to(torch.int32))
     x = torch.randn(m, k, generator=gen) * 3
-    portable = cpu.quant_matmul(x, codes, scale, zero, bits, isa=0)
-    want = ref.quant_matmul(x, codes, scale.float(), None if zero is None else zero.float(), bits)
+    portable = cpu.quant_matmul(x, tiled, isa=0)
+    want = ref.quant_matmul(x, raw, scale.float(), None if zero is None else zero.float())
     # the reference is float64 on the same quantized activations: only fp32 accumulation differs
-    terms = ref.quant_matmul(x.abs(), codes.abs() if bits == 8 else codes, scale.float().abs(),
-                             None if zero is None else zero.float().abs(), bits).abs()
+    terms = ref.quant_matmul(x.abs(), raw.abs(), scale.float().abs(), None if zero is None else zero.float().abs()).abs()
     assert ((portable - want).abs() <= 1e-5 * terms + 1e-6).all()
     for isa in PATHS[1:]:
-        assert torch.equal(cpu.quant_matmul(x, codes, scale, zero, bits, isa=isa), portable), cpu.ISA_NAMES[isa]
+        assert torch.equal(cpu.quant_matmul(x, tiled, isa=isa), portable), cpu.ISA_NAMES[isa]
     # batch invariance: each row alone gives its row of the batch, bit for bit
     for i in range(m):
-        assert torch.equal(cpu.quant_matmul(x[i : i + 1].clone(), codes, scale, zero, bits), portable[i : i + 1])
+        assert torch.equal(cpu.quant_matmul(x[i : i + 1].clone(), tiled), portable[i : i + 1])
 
 
 def test_the_8_bit_dot_has_no_overflow_at_the_extremes():
@@ -50,7 +53,7 @@ def test_the_8_bit_dot_has_no_overflow_at_the_extremes():
     x = torch.full((2, 64), -1.0)  # every activation code -32767: products at their largest
     scale = torch.ones(3, 2)
     for isa in PATHS:
-        got = cpu.quant_matmul(x, cpu.pack_codes(codes, 8), scale, None, 8, isa=isa)
+        got = cpu.quant_matmul(x, cpu.tile(codes, scale, None, 8), isa=isa)
         assert torch.allclose(got, torch.full((2, 3), 64 * 127.0), rtol=1e-6)  # 64 x (-127 x -1)
 
 
@@ -90,21 +93,24 @@ def test_silu_mul(isa):
 
 def test_bad_arguments_are_named():
     x = torch.randn(2, 64)
-    codes = cpu.pack_codes(torch.zeros(4, 64, dtype=torch.int64), 4)
+    w = cpu.tile(torch.zeros(4, 64, dtype=torch.int64), torch.ones(4, 2), None, 4)
+    op = torch.ops.radixlm.quant_matmul
     with pytest.raises(RuntimeError, match="multiple of 32 columns"):
-        cpu.quant_matmul(torch.randn(2, 40), codes[:, :20].contiguous(), torch.ones(4, 1), None, 4)
-    with pytest.raises(RuntimeError, match="scales must be"):
-        cpu.quant_matmul(x, codes, torch.ones(4, 3), None, 4)
+        cpu.quant_matmul(torch.randn(2, 40), w)
+    with pytest.raises(RuntimeError, match="tiles of a 4 x 64 matrix of 4-bit codes must be"):
+        op(x, w.tiles[:, :1].contiguous(), 4, 4, 32, False, False)
+    with pytest.raises(RuntimeError, match="tiles of a 9 x 64 matrix"):
+        op(x, w.tiles, 9, 4, 32, False, False)  # 9 rows take two groups of tiles
     with pytest.raises(RuntimeError, match="4 or 8 bits"):
-        cpu.quant_matmul(x, codes, torch.ones(4, 2), None, 2)
-    with pytest.raises(RuntimeError, match="groups of 16 columns take 8-bit codes"):
-        cpu.quant_matmul(x, codes, torch.ones(4, 4), None, 4)
-    with pytest.raises(RuntimeError, match="zero points need groups of 32"):
-        cpu.quant_matmul(x, cpu.pack_codes(torch.zeros(4, 64), 8), torch.ones(4, 4), torch.ones(4, 4), 8)
+        op(x, w.tiles, 4, 2, 32, False, False)
+    with pytest.raises(RuntimeError, match="groups of 32 columns \\(or 16, for 8-bit codes without zero points\\)"):
+        op(x, w.tiles, 4, 4, 16, False, False)
     with pytest.raises(RuntimeError, match="float32 CPU tensor"):
-        cpu.quant_matmul(x.double(), codes, torch.ones(4, 2), None, 4)
+        cpu.quant_matmul(x.double(), w)
     with pytest.raises(RuntimeError, match="not supported by this CPU"):
-        cpu.quant_matmul(x, codes, torch.ones(4, 2), None, 4, isa=len(cpu.ISA_NAMES) + 3)
+        cpu.quant_matmul(x, w, isa=len(cpu.ISA_NAMES) + 3)
+    with pytest.raises(ValueError, match="not 4-bit in groups of 16"):
+        cpu.tile(torch.zeros(4, 64, dtype=torch.int64), torch.ones(4, 4), None, 4)
 
 
 def test_the_build_is_cached_and_keyed_by_sources_and_cpu(monkeypatch):
@@ -142,7 +148,7 @@ def test_smollm2s_own_tensors():
         got = served.kernel(x)
         assert (got - want).abs().max() < 1e-4 * want.abs().max(), name
         assert (got - x.double() @ t[rows].double().T).abs().max() < 1e-3 * want.abs().max()  # 16-bit inputs: near exact
-        assert served.scale.dtype == torch.float16  # the file's fp16 scales kept as they are
+        assert served.tiled.half  # the file's fp16 scales kept as they are
 
 
 def _step(gen: torch.Generator, tokens: int, heads: int, kv_heads: int, d: int, slots: int = 300):
@@ -197,19 +203,20 @@ def _random_decoder(seed: int, layers: int = 2, hidden: int = 64, heads: int = 4
     """A small decoder on random 4- and 8-bit codes (zero points on some, a qkv bias), its pools and tables."""
     g = torch.Generator().manual_seed(seed)
 
-    def matrix(n: int, k: int, bits: int):
+    def matrix(n: int, k: int, bits: int) -> cpu.Tiled:
         codes = torch.randint(0, 16, (n, k), generator=g) if bits == 4 else torch.randint(-128, 128, (n, k), generator=g)
         scale = (torch.rand(n, k // 32, generator=g) * 0.05).half()
-        zero = -(torch.rand(n, k // 32, generator=g) * 0.2).half() if bits == 4 else torch.empty(0)
-        return [cpu.pack_codes(codes, bits), scale, zero]
+        zero = -(torch.rand(n, k // 32, generator=g) * 0.2).half() if bits == 4 else None
+        return cpu.tile(codes, scale, zero, bits)
 
     width = (heads + 2 * kv_heads) * d
-    weights = []
+    weights, mats = [], []
     for layer in range(layers):
         bits = 4 if layer % 2 == 0 else 8
-        weights += [1 + 0.1 * torch.randn(hidden, generator=g), *matrix(width, hidden, bits), torch.randn(width, generator=g),
-                    *matrix(hidden, heads * d, bits), 1 + 0.1 * torch.randn(hidden, generator=g),
-                    *matrix(2 * inner, hidden, bits), *matrix(hidden, inner, bits)]
+        m = [matrix(width, hidden, bits), matrix(hidden, heads * d, bits), matrix(2 * inner, hidden, bits),
+             matrix(hidden, inner, bits)]
+        weights += [1 + 0.1 * torch.randn(hidden, generator=g), m[0], torch.randn(width, generator=g), m[1],
+                    1 + 0.1 * torch.randn(hidden, generator=g), m[2], m[3]]
     weights.append(1 + 0.1 * torch.randn(hidden, generator=g))
     pools = [[torch.randn(kv_heads, slots, d, generator=g) for _ in range(layers)] for _ in range(2)]
     freqs = torch.outer(torch.arange(128).float(), 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))
@@ -217,28 +224,34 @@ def _random_decoder(seed: int, layers: int = 2, hidden: int = 64, heads: int = 4
     return weights, pools, cos2, sin2, (heads, kv_heads, d)
 
 
+def _decoder(weights, pools, cos2, sin2, dims):
+    """torch.classes.radixlm.Decoder over `weights` (tiled matrices as their tiles and formats)."""
+    tensors = [w.tiles if isinstance(w, cpu.Tiled) else w for w in weights]
+    formats = [f for w in weights if isinstance(w, cpu.Tiled) for f in w.format]
+    return torch.classes.radixlm.Decoder(tensors, formats, pools[0], pools[1], cos2, sin2, *dims, 1e-5, dims[2] ** -0.5)
+
+
 def _decoder_by_ops(weights, pools, cos2, sin2, dims, h, positions, out_slots, table, rows, lens, isa):
     """The decoder's step composed of the library's ops, in the model's order (layers.py, llama.py)."""
     heads, kv_heads, d = dims
     eps, scale = 1e-5, d ** -0.5
 
-    def linear(x, codes, s, z, bias=None):
-        bits = 4 if codes.shape[1] * 2 == x.shape[1] else 8
-        y = cpu.quant_matmul(x, codes, s, z if z.numel() else None, bits, isa=isa)
+    def linear(x, w, bias=None):
+        y = cpu.quant_matmul(x, w, isa=isa)
         return y if bias is None else y + bias
 
     residual = h.clone()
     x = cpu.rms_norm(residual, weights[0], eps, isa=isa)
     for layer in range(len(pools[0])):
-        w = weights[15 * layer : 15 * layer + 15]
+        w = weights[7 * layer : 7 * layer + 7]
         if layer:
             x = cpu.rms_norm(y, w[0], eps, residual, isa=isa)
-        qkv = linear(x, *w[1:5])
+        qkv = linear(x, w[1], w[2])
         cpu.rope_store(qkv, positions, cos2, sin2, pools[0][layer], pools[1][layer], out_slots, heads, kv_heads, isa=isa)
         attn = cpu.decode_attention(qkv[:, : heads * d], pools[0][layer], pools[1][layer], table, rows, lens, scale, isa=isa)
-        y = linear(attn, *w[5:8])
-        x = cpu.rms_norm(y, w[8], eps, residual, isa=isa)
-        y = linear(cpu.silu_mul(linear(x, *w[9:12]), isa=isa), *w[12:15])
+        y = linear(attn, w[3])
+        x = cpu.rms_norm(y, w[4], eps, residual, isa=isa)
+        y = linear(cpu.silu_mul(linear(x, w[5]), isa=isa), w[6])
     return cpu.rms_norm(y, weights[-1], eps, residual, isa=isa)
 
 
@@ -256,7 +269,7 @@ def test_the_decoder_is_its_ops_in_order(isa, rows):
     out_slots = table[req_rows, positions]
     h = torch.randn(rows, 64)
     mine = [[p.clone() for p in pools[0]], [p.clone() for p in pools[1]]]
-    decoder = torch.classes.radixlm.Decoder(weights, mine[0], mine[1], cos2, sin2, *dims, 1e-5, dims[2] ** -0.5)
+    decoder = _decoder(weights, mine, cos2, sin2, dims)
     got = decoder.forward(h, positions, out_slots, table, req_rows, lens, isa)
     want = _decoder_by_ops(weights, pools, cos2, sin2, dims, h, positions, out_slots, table, req_rows, lens, isa)
     assert torch.equal(got, want)
@@ -267,12 +280,11 @@ def test_the_decoder_is_its_ops_in_order(isa, rows):
 def test_the_decoder_names_bad_arguments():
     cpu.load()
     weights, pools, cos2, sin2, dims = _random_decoder(0)
-    Decoder = torch.classes.radixlm.Decoder
     with pytest.raises(RuntimeError, match="whole layers"):
-        Decoder(weights[:-1], pools[0], pools[1], cos2, sin2, *dims, 1e-5, 0.25)
-    with pytest.raises(RuntimeError, match="qkv codes must be"):
-        Decoder([weights[0], weights[1][:5]] + weights[2:], pools[0], pools[1], cos2, sin2, *dims, 1e-5, 0.25)
-    decoder = Decoder(weights, pools[0], pools[1], cos2, sin2, *dims, 1e-5, 0.25)
+        _decoder(weights[:-1], pools, cos2, sin2, dims)
+    with pytest.raises(RuntimeError, match="qkv must have 128 rows"):
+        _decoder([weights[0], weights[5]] + weights[2:], pools, cos2, sin2, dims)
+    decoder = _decoder(weights, pools, cos2, sin2, dims)
     table = torch.arange(64).view(4, 16)
     one = torch.tensor([0])
     with pytest.raises(RuntimeError, match="outside the rotary tables"):

@@ -86,7 +86,7 @@ def _served_exactly(m: quant.QuantizedMatrix, values: torch.Tensor) -> None:
 def test_int4_codes_are_served_as_they_are(group):
     blocks = _blocks4(96, 256, group)
     m = quant.QuantizedMatrix(blocks)
-    assert m.bits == 4 and m.codes.shape == (96, 128)
+    assert (m.tiled.bits, m.tiled.rows, m.tiled.cols) == (4, 96, 256)
     _served_exactly(m, blocks.dequantize())
     # and the codes are Q4_1's rule: every group's min and max come back (to rounding)
     assert (blocks.dequantize() - _blocks4(96, 256, group).dequantize()).abs().max() == 0
@@ -106,8 +106,8 @@ def test_gguf_codes_are_served_exactly(tmp_path, kind):
     m = quant.QuantizedMatrix(GGUFTensor(raw).blocks(slice(None), slice(None)))
     _served_exactly(m, torch.from_numpy(dense))
     # the file's fp16 scales stay fp16 (no bandwidth spent on exact values); Q4_K's products need fp32
-    assert m.scale.dtype == (torch.float32 if kind in K_QUANTS else torch.float16)
-    assert (m.zero is None) == (kind in ("Q8_0", "Q6_K")) and m.group == (16 if kind == "Q6_K" else 32)
+    assert m.tiled.half == (kind not in K_QUANTS)
+    assert m.tiled.zero == (kind not in ("Q8_0", "Q6_K")) and m.tiled.group == (16 if kind == "Q6_K" else 32)
     ids = torch.tensor([[0, 7], [31, 7]])
     assert torch.equal(m.embed(ids), torch.from_numpy(dense)[ids])
 

@@ -27,27 +27,39 @@ struct QuantizedActivations {
   int64_t blocks() const { return cols / kBlock; }
 };
 
-// A weight matrix as integer codes in groups of 32 input columns: w = scale * code + zero.
-// 4-bit codes (0..15) are packed two a byte per group, byte j holding column j (low nibble) and
-// column j + 16 (high nibble), GGUF's own order; 8-bit codes are int8, one a byte. 8-bit codes
-// without zero points may have a scale per 16 columns instead (`group` 16: Q6_K's sub-blocks). scale and zero
-// are [rows, cols / 32] in fp32 or fp16 (`half` set); zero may be null (none).
-struct CodeMatrix {
-  const uint8_t* codes;
-  const void* scale;
-  const void* zero;
-  int64_t rows, cols;
-  int bits;
-  bool half;
-  int64_t group;  // columns per scale: 32, or 16 (8-bit codes, no zero points)
+// A weight matrix as integer codes in groups of 32 input columns, w = scale * code + zero, laid
+// out once at load for the kernels (kernels/cpu/__init__.py `tile`): rows in groups of 8, and for
+// each group its blocks of 32 columns in order, one tile each, so that a decode step reads every
+// matrix as one sequential stream. A tile holds the 8 rows' scales (fp16 or fp32; for 8-bit
+// codes in groups of 16, Q6_K's sub-blocks, two per row: the first 16 columns' 8, then the
+// second's), their zero points where the matrix has them, then the codes in 32-byte chunks of
+// 16 16-bit words, word i holding row i / 2's codes for the column pairs the chunk covers, column
+// 2p + i % 2 of pair p:
+//   4 bits: chunk j (0..3) covers pairs 4j..4j+3; pair 4j+k in bits 4k..4k+3 of each word;
+//   8 bits: chunk j (0..7) covers pairs 2j (low byte) and 2j+1 (high byte), int8.
+// So one shift and mask of a chunk gives a pair's codes as 16-bit lanes of 8 rows x 2 columns,
+// and one multiply-add against the activations' pair sums all 8 rows at once.
+constexpr int64_t kTileRows = 8;
+
+struct TiledMatrix {
+  const uint8_t* tiles;  // [groups, blocks, tile_bytes()]
+  int64_t rows, cols;    // rows: the real outputs (the last group's padding rows are never stored)
+  int bits;              // 4 (codes 0..15) or 8 (int8)
+  int64_t group;         // columns per scale: 32, or 16 (8-bit codes without zero points)
+  bool half, zero;       // scales (and zero points) in fp16, else fp32; zero points present
   int64_t blocks() const { return cols / kBlock; }
-  int64_t row_bytes() const { return cols * bits / 8; }
+  int64_t groups() const { return (rows + kTileRows - 1) / kTileRows; }
+  int64_t scale_bytes() const { return kTileRows * (kBlock / group) * (half ? 2 : 4); }
+  int64_t zero_bytes() const { return zero ? kTileRows * (half ? 2 : 4) : 0; }
+  int64_t code_bytes() const { return kTileRows * kBlock * bits / 8; }
+  int64_t tile_bytes() const { return scale_bytes() + zero_bytes() + code_bytes(); }
 };
 
-// y[m, n] for rows [n0, n1) of w and every activation row m (y is [m, w.rows], row-major). Each
-// output is summed in one fixed order whatever m, n0 and n1 are: batch invariant.
-void matmul_rows_portable(const QuantizedActivations& x, const CodeMatrix& w, int64_t n0, int64_t n1, float* y);
-void matmul_rows_avx2(const QuantizedActivations& x, const CodeMatrix& w, int64_t n0, int64_t n1, float* y);
+// y[m, n] for the rows of groups [g0, g1) of w and every activation row m (y is [m, w.rows],
+// row-major). Each output sums its blocks in order into one accumulator, whatever m, g0 and g1
+// are: batch invariant, and every path bitwise the portable one.
+void matmul_groups_portable(const QuantizedActivations& x, const TiledMatrix& w, int64_t g0, int64_t g1, float* y);
+void matmul_groups_avx2(const QuantizedActivations& x, const TiledMatrix& w, int64_t g0, int64_t g1, float* y);
 
 void quantize_rows_portable(const float* x, int64_t rows, int64_t cols, int16_t* q, float* d, float* sum);
 void quantize_rows_avx2(const float* x, int64_t rows, int64_t cols, int16_t* q, float* d, float* sum);

@@ -20,20 +20,18 @@
 namespace radixlm {
 namespace {
 
-struct Linear {  // one projection on its codes; the tensors are held so the views stay valid
-  at::Tensor codes, scale, zero, bias;
-  CodeMatrix w{};
+struct Linear {  // one projection on its tiled codes; the tensors are held so the views stay valid
+  at::Tensor tiles, bias;
+  TiledMatrix w{};
   const float* b = nullptr;
 
   Linear() = default;
-  Linear(const at::Tensor& c, const at::Tensor& s, const at::Tensor& z, const at::Tensor& bias_, int64_t cols,
-         int64_t rows, const char* what)
-      : codes(c), scale(s), zero(z), bias(bias_) {
-    TORCH_CHECK(cols % kBlock == 0, "radixlm: Decoder: ", what, " has ", cols, " input columns, not a multiple of ", kBlock);
-    TORCH_CHECK(c.dim() == 2 && c.size(0) == rows && c.size(1) > 0 && (c.size(1) * 8) % cols == 0,
-                "radixlm: Decoder: ", what, " codes must be [", rows, ", ", cols, " * bits / 8], got ", c.sizes());
-    const bool has_zero = z.defined() && z.numel() > 0;
-    w = code_matrix(c, s, has_zero ? std::optional<at::Tensor>(z) : std::nullopt, c.size(1) * 8 / cols, cols);
+  // format: rows, bits, group, half, zero (as the op quant_matmul takes them)
+  Linear(const at::Tensor& tiles_, const at::Tensor& bias_, const int64_t* format, int64_t cols, int64_t rows,
+         const char* what)
+      : tiles(tiles_), bias(bias_) {
+    TORCH_CHECK(format[0] == rows, "radixlm: Decoder: ", what, " must have ", rows, " rows, got ", format[0]);
+    w = tiled_matrix(tiles_, rows, cols, format[1], format[2], format[3] != 0, format[4] != 0);
     if (bias_.defined() && bias_.numel() > 0) {
       TORCH_CHECK(bias_.scalar_type() == at::kFloat && bias_.is_contiguous() && bias_.numel() == rows,
                   "radixlm: Decoder: ", what, " bias must be float32 [", rows, "]");
@@ -57,19 +55,23 @@ const at::Tensor& vector_of(const at::Tensor& t, int64_t n, const char* what) {
 
 class Decoder : public torch::CustomClassHolder {
  public:
-  // Tensors per layer, in this order (an empty tensor where a model has none): input norm; qkv
-  // codes, scales, zero points, bias; o codes, scales, zero points; post-attention norm; gate/up
-  // codes, scales, zero points; down codes, scales, zero points. Then the final norm.
-  static constexpr int64_t kPerLayer = 15;
+  // Tensors per layer, in this order: input norm; qkv tiles, qkv bias (an empty tensor where the
+  // model has none); o tiles; post-attention norm; gate/up tiles; down tiles. Then the final
+  // norm. `formats`: per projection (qkv, o, gate/up, down of each layer) its rows, bits, group,
+  // half and zero, as quant_matmul takes them.
+  static constexpr int64_t kPerLayer = 7;
+  static constexpr int64_t kFormat = 5;
 
-  Decoder(std::vector<at::Tensor> weights, std::vector<at::Tensor> k_pools, std::vector<at::Tensor> v_pools,
-          at::Tensor cos2, at::Tensor sin2, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
+  Decoder(std::vector<at::Tensor> weights, std::vector<int64_t> formats, std::vector<at::Tensor> k_pools,
+          std::vector<at::Tensor> v_pools, at::Tensor cos2, at::Tensor sin2, int64_t heads, int64_t kv_heads,
+          int64_t head_dim, double eps, double scale)
       : cos2_(std::move(cos2)), sin2_(std::move(sin2)), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim),
         eps_(float(eps)), scale_(float(scale)) {
     const int64_t n_layers = int64_t(k_pools.size());
-    TORCH_CHECK(n_layers > 0 && int64_t(v_pools.size()) == n_layers && int64_t(weights.size()) == n_layers * kPerLayer + 1,
-                "radixlm: Decoder: ", weights.size(), " weights and ", k_pools.size(), " / ", v_pools.size(),
-                " pools do not make whole layers of ", kPerLayer);
+    TORCH_CHECK(n_layers > 0 && int64_t(v_pools.size()) == n_layers && int64_t(weights.size()) == n_layers * kPerLayer + 1 &&
+                    int64_t(formats.size()) == n_layers * 4 * kFormat,
+                "radixlm: Decoder: ", weights.size(), " weights, ", formats.size(), " format numbers and ", k_pools.size(),
+                " / ", v_pools.size(), " pools do not make whole layers");
     TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0 && head_dim % 2 == 0,
                 "radixlm: Decoder: bad head counts");
     check_rows(cos2_, "cos2");
@@ -80,16 +82,18 @@ class Decoder : public torch::CustomClassHolder {
     const int64_t q_size = heads * head_dim, width = (heads + 2 * kv_heads) * head_dim;
     for (int64_t l = 0; l < n_layers; ++l) {
       const at::Tensor* w = weights.data() + l * kPerLayer;
+      const int64_t* f = formats.data() + l * 4 * kFormat;
       Layer layer;
       layer.input_norm = vector_of(w[0], hidden_, "an input norm");
-      layer.qkv = Linear(w[1], w[2], w[3], w[4], hidden_, width, "qkv");
-      layer.o = Linear(w[5], w[6], w[7], at::Tensor(), q_size, hidden_, "o");
-      layer.post_norm = vector_of(w[8], hidden_, "a post-attention norm");
-      const int64_t inner2 = w[9].size(0);
-      TORCH_CHECK(inner2 % 2 == 0, "radixlm: Decoder: gate/up needs an even number of rows");
+      layer.qkv = Linear(w[1], w[2], f, hidden_, width, "qkv");
+      layer.o = Linear(w[3], at::Tensor(), f + kFormat, q_size, hidden_, "o");
+      layer.post_norm = vector_of(w[4], hidden_, "a post-attention norm");
+      const int64_t inner2 = f[2 * kFormat];
+      TORCH_CHECK(inner2 > 0 && inner2 % 2 == 0 && (l == 0 || inner2 == 2 * inner_),
+                  "radixlm: Decoder: gate/up needs the same even number of rows in every layer");
       inner_ = inner2 / 2;
-      layer.gate_up = Linear(w[9], w[10], w[11], at::Tensor(), hidden_, inner2, "gate/up");
-      layer.down = Linear(w[12], w[13], w[14], at::Tensor(), inner_, hidden_, "down");
+      layer.gate_up = Linear(w[5], at::Tensor(), f + 2 * kFormat, hidden_, inner2, "gate/up");
+      layer.down = Linear(w[6], at::Tensor(), f + 3 * kFormat, inner_, hidden_, "down");
       check_pool(k_pools[l], kv_heads, head_dim, "k_pool");
       check_pool(v_pools[l], kv_heads, head_dim, "v_pool");
       TORCH_CHECK(k_pools[l].size(1) == k_pools[0].size(1) && v_pools[l].size(1) == k_pools[0].size(1),
@@ -159,8 +163,8 @@ class Decoder : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(radixlm, m) {
   m.class_<Decoder>("Decoder")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor, at::Tensor,
-                       int64_t, int64_t, int64_t, double, double>())
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double>())
       .def("forward", &Decoder::forward);
 }
 

@@ -25,16 +25,17 @@ void quantize_into(const float* x, int64_t rows, int64_t cols, const ActivationB
   });
 }
 
-void matmul_into(const float* x, int64_t m, const CodeMatrix& w, const float* bias, const ActivationBuffer& scratch,
+void matmul_into(const float* x, int64_t m, const TiledMatrix& w, const float* bias, const ActivationBuffer& scratch,
                  float* y, Isa isa) {
   quantize_into(x, m, w.cols, scratch, isa);
   const QuantizedActivations xa{scratch.q, scratch.d, scratch.sum, m, w.cols};
-  auto run = isa == Isa::avx2 ? matmul_rows_avx2 : matmul_rows_portable;
-  at::parallel_for(0, w.rows, grain(w.row_bytes() * std::max<int64_t>(1, m / 4)), [&](int64_t n0, int64_t n1) {
-    run(xa, w, n0, n1, y);
+  auto run = isa == Isa::avx2 ? matmul_groups_avx2 : matmul_groups_portable;
+  const int64_t group_bytes = w.blocks() * w.tile_bytes();
+  at::parallel_for(0, w.groups(), grain(group_bytes * std::max<int64_t>(1, m / 4)), [&](int64_t g0, int64_t g1) {
+    run(xa, w, g0, g1, y);
     if (bias != nullptr)
       for (int64_t r = 0; r < m; ++r)
-        for (int64_t n = n0; n < n1; ++n) y[r * w.rows + n] += bias[n];
+        for (int64_t n = g0 * kTileRows; n < std::min(g1 * kTileRows, w.rows); ++n) y[r * w.rows + n] += bias[n];
   });
 }
 

@@ -21,7 +21,7 @@ struct ActivationBuffer {
 void quantize_into(const float* x, int64_t rows, int64_t cols, const ActivationBuffer& out, Isa isa);
 
 // y [m, w.rows] = x [m, w.cols] W^T (+ bias where not null), x quantized into `scratch` first.
-void matmul_into(const float* x, int64_t m, const CodeMatrix& w, const float* bias, const ActivationBuffer& scratch,
+void matmul_into(const float* x, int64_t m, const TiledMatrix& w, const float* bias, const ActivationBuffer& scratch,
                  float* y, Isa isa);
 
 // out = rms_norm(x) * weight over rows of `dim`; with `residual` (not null): residual += x first

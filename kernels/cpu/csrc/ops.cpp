@@ -42,30 +42,19 @@ void check_rows(const at::Tensor& x, const char* what) {
               what, " must be a contiguous 2-D float32 CPU tensor, got ", x.scalar_type(), " ", x.sizes());
 }
 
-CodeMatrix code_matrix(const at::Tensor& codes, const at::Tensor& scale, const std::optional<at::Tensor>& zero,
-                       int64_t bits, int64_t cols) {
+TiledMatrix tiled_matrix(const at::Tensor& tiles, int64_t rows, int64_t cols, int64_t bits, int64_t group, bool half,
+                         bool zero) {
   TORCH_CHECK(bits == 4 || bits == 8, "radixlm: codes must be 4 or 8 bits, got ", bits);
-  TORCH_CHECK(codes.device().is_cpu() && codes.dim() == 2 && codes.is_contiguous() && codes.element_size() == 1,
-              "radixlm: codes must be a contiguous 2-D byte tensor");
-  const int64_t rows = codes.size(0);
-  TORCH_CHECK(codes.size(1) * 8 == cols * bits, "radixlm: ", bits, "-bit codes of ", cols, " columns take ", cols * bits / 8,
-              " bytes a row, got ", codes.size(1));
-  const bool half = scale.scalar_type() == at::kHalf;
-  TORCH_CHECK(half || scale.scalar_type() == at::kFloat, "radixlm: scales must be float32 or float16");
-  const int64_t group = scale.dim() == 2 && scale.size(1) > 0 ? cols / scale.size(1) : 0;
-  TORCH_CHECK(scale.is_contiguous() && scale.dim() == 2 && scale.size(0) == rows &&
-                  ((group == kBlock && scale.size(1) * kBlock == cols) || (group == 16 && scale.size(1) * 16 == cols)),
-              "radixlm: scales must be [", rows, ", ", cols / kBlock, "] (or [", rows, ", ", cols / 16,
-              "] for 8-bit codes in groups of 16), got ", scale.sizes());
-  const void* zp = nullptr;
-  if (zero.has_value() && zero->defined()) {
-    TORCH_CHECK(zero->scalar_type() == scale.scalar_type() && zero->sizes() == scale.sizes() && zero->is_contiguous(),
-                "radixlm: zero points must match the scales' shape and dtype");
-    TORCH_CHECK(group == kBlock, "radixlm: zero points need groups of ", kBlock, " columns");
-    zp = zero->data_ptr();
-  }
-  TORCH_CHECK(group == kBlock || bits == 8, "radixlm: groups of 16 columns take 8-bit codes");
-  return {static_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr(), zp, rows, cols, int(bits), half, group};
+  TORCH_CHECK(group == kBlock || (group == 16 && bits == 8 && !zero), "radixlm: codes come in groups of ", kBlock,
+              " columns (or 16, for 8-bit codes without zero points), not ", group);
+  TORCH_CHECK(rows > 0 && cols > 0 && cols % kBlock == 0, "radixlm: a tiled matrix needs rows and a multiple of ", kBlock,
+              " columns, got ", rows, " x ", cols);
+  const TiledMatrix w{nullptr, rows, cols, int(bits), group, half, zero};
+  TORCH_CHECK(tiles.device().is_cpu() && tiles.scalar_type() == at::kByte && tiles.is_contiguous() && tiles.dim() == 3 &&
+                  tiles.size(0) == w.groups() && tiles.size(1) == w.blocks() && tiles.size(2) == w.tile_bytes(),
+              "radixlm: the tiles of a ", rows, " x ", cols, " matrix of ", bits, "-bit codes must be contiguous uint8 [",
+              w.groups(), ", ", w.blocks(), ", ", w.tile_bytes(), "], got ", tiles.scalar_type(), " ", tiles.sizes());
+  return {tiles.data_ptr<uint8_t>(), rows, cols, int(bits), group, half, zero};
 }
 
 void check_pool(const at::Tensor& pool, int64_t kv_heads, int64_t head_dim, const char* what) {
@@ -130,11 +119,11 @@ void check_blocks(const at::Tensor& x) {
   TORCH_CHECK(x.size(1) % kBlock == 0, "radixlm: activations need a multiple of ", kBlock, " columns, got ", x.size(1));
 }
 
-at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                        const std::optional<at::Tensor>& zero, int64_t bits, int64_t isa_level) {
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& tiles, int64_t rows, int64_t bits, int64_t group,
+                        bool half, bool zero, int64_t isa_level) {
   check_blocks(x);
   const Isa isa = resolve_isa(isa_level);
-  const CodeMatrix w = code_matrix(codes, scale, zero, bits, x.size(1));
+  const TiledMatrix w = tiled_matrix(tiles, rows, x.size(1), bits, group, half, zero);
   const Activations scratch(x.size(0), x.size(1), x.options());
   at::Tensor y = at::empty({x.size(0), w.rows}, x.options());
   matmul_into(x.data_ptr<float>(), x.size(0), w, nullptr, scratch.buffer(), y.data_ptr<float>(), isa);
@@ -231,7 +220,8 @@ int64_t best_isa_level() { return int64_t(best_isa()); }
 TORCH_LIBRARY(radixlm, m) {
   m.def("best_isa() -> int", &best_isa_level);
   m.def("quantize_activations(Tensor x, int isa=-1) -> (Tensor, Tensor, Tensor)", &quantize_activations);
-  m.def("quant_matmul(Tensor x, Tensor codes, Tensor scale, Tensor? zero, int bits, int isa=-1) -> Tensor", &quant_matmul);
+  m.def("quant_matmul(Tensor x, Tensor tiles, int rows, int bits, int group, bool half, bool zero, int isa=-1) -> Tensor",
+        &quant_matmul);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual=None, int isa=-1) -> Tensor", &rms_norm);
   m.def("silu_mul(Tensor gate_up, int isa=-1) -> Tensor", &silu_mul);
   m.def("rope_store(Tensor(a!) qkv, Tensor positions, Tensor cos2, Tensor sin2, Tensor(b!) k_pool, Tensor(c!) v_pool, "

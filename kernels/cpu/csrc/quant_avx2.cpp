@@ -1,8 +1,10 @@
 // The AVX2 path of the quantized matmul (AVX2, FMA, F16C: every x86 CPU since 2013-2015).
-// Bitwise the portable path's results: the same integer lanes, the same fused multiply-adds in
-// the same order, the same horizontal sum. Built for AVX2 by target attributes, so the library
+// Bitwise the portable path's results: the same exact integer dots, the same fused multiply-adds
+// in the same order. Built for AVX2 by target attributes, so the library
 // loads on any x86 CPU and this code runs only where the dispatcher found AVX2.
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "avx2.h"
 #include "common.h"
@@ -10,122 +12,103 @@
 namespace radixlm {
 namespace {
 
-RADIXLM_AVX2 inline float load_scale(const void* p, int64_t i, bool half) {
-  return half ? _cvtsh_ss(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+RADIXLM_AVX2 inline __m256 load8(const uint8_t* p, bool half) {
+  return half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
+              : _mm256_loadu_ps(reinterpret_cast<const float*>(p));
 }
 
-RADIXLM_AVX2 inline __m256 load8(const void* p, int64_t i, bool half) {
-  return half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)))
-              : _mm256_loadu_ps(static_cast<const float*>(p) + i);
+// Activation columns 2p and 2p + 1 in every 32-bit lane.
+RADIXLM_AVX2 inline __m256i pair(const int16_t* x, int p) {
+  int32_t v;
+  std::memcpy(&v, x + 2 * p, sizeof v);
+  return _mm256_set1_epi32(v);
 }
 
-// One weight group's 32 codes widened to 16 bits: columns 0-15 and 16-31.
-template <int Bits>
-RADIXLM_AVX2 inline void widen(const uint8_t* p, __m256i& first, __m256i& second) {
-  if constexpr (Bits == 4) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    first = _mm256_cvtepu8_epi16(_mm_and_si128(raw, mask));
-    second = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
-  } else {
-    first = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    second = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
-  }
-}
-
-// lane l: columns 2l, 2l+1, 16+2l, 17+2l (as block_lanes in quant_portable.cpp)
-RADIXLM_AVX2 inline __m256i block_dot(__m256i first, __m256i second, const int16_t* x) {
-  const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
-  return _mm256_add_epi32(_mm256_madd_epi16(first, x0), _mm256_madd_epi16(second, x1));
-}
-
-// An output's zero-point term, added to its lanes' sum: as the portable path.
-RADIXLM_AVX2 float finish(const QuantizedActivations& x, const CodeMatrix& w, int64_t m, int64_t n, __m256 acc) {
-  if (w.zero == nullptr) return hsum(acc) + 0.0f;  // the portable path adds an empty zero sum: -0 alike
-  const int64_t nb = w.blocks();
-  const float* xs = x.sum + m * nb;
-  __m256 zacc = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 8 <= nb; b += 8) zacc = _mm256_fmadd_ps(load8(w.zero, n * nb + b, w.half), _mm256_loadu_ps(xs + b), zacc);
-  float out = hsum(acc) + hsum(zacc);
-  for (; b < nb; ++b) out = std::fma(load_scale(w.zero, n * nb + b, w.half), xs[b], out);
-  return out;
-}
-
-// Output rows n0 .. n0 + N of w against activation rows m0 .. m0 + M: each weight group is
-// widened once for the M activation rows, and the N x M accumulators are independent chains of
-// multiply-adds (one chain would wait on each add's latency). Every output still sums its own
-// blocks in order.
-template <int Bits, int M, int N, int Group = 32>
-RADIXLM_AVX2 void tile(const QuantizedActivations& x, const CodeMatrix& w, int64_t m0, int64_t n0, float* y) {
-  constexpr int64_t group_bytes = Bits * kBlock / 8;
-  constexpr int64_t per_block = kBlock / Group;  // scales per block of 32
-  const int64_t nb = w.blocks();
-  __m256 acc[M][N];
-  for (int i = 0; i < M; ++i)
-    for (int j = 0; j < N; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256i first[N], second[N];
-    float ws[N][per_block];
-    for (int j = 0; j < N; ++j) {
-      widen<Bits>(w.codes + (n0 + j) * w.row_bytes() + b * group_bytes, first[j], second[j]);
-      for (int h = 0; h < per_block; ++h) ws[j][h] = load_scale(w.scale, ((n0 + j) * nb + b) * per_block + h, w.half);
-    }
-    for (int i = 0; i < M; ++i) {
-      const int64_t m = m0 + i;
-      const int16_t* xq = x.q + m * x.cols + b * kBlock;
-      const float xd = x.d[m * nb + b];
-      for (int j = 0; j < N; ++j) {
-        if constexpr (Group == 16) {  // each half its own scale (as the portable path)
-          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-          const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16));
-          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(first[j], x0)), _mm256_set1_ps(ws[j][0] * xd), acc[i][j]);
-          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(second[j], x1)), _mm256_set1_ps(ws[j][1] * xd), acc[i][j]);
-        } else {
-          const __m256 lanes = _mm256_cvtepi32_ps(block_dot(first[j], second[j], xq));
-          acc[i][j] = _mm256_fmadd_ps(lanes, _mm256_set1_ps(ws[j][0] * xd), acc[i][j]);
+// Activation rows m0 .. m0 + M against row group g: per block, each activation row's 8 integer
+// dots (one lane a weight row) from a multiply-add per column pair, the chunk's codes unpacked
+// once for the M rows; then scaled and added into each row's accumulator, as the portable path.
+template <int Bits, int Group, int M>
+RADIXLM_AVX2 void group_rows(const QuantizedActivations& x, const TiledMatrix& w, int64_t m0, int64_t g, float* y) {
+  constexpr int Halves = Group == 16 ? 2 : 1;
+  const int64_t nb = w.blocks(), tile = w.tile_bytes(), code_at = w.scale_bytes() + w.zero_bytes();
+  const __m256i nibble = _mm256_set1_epi16(0x0F);
+  __m256 acc[M], zacc[M];
+  for (int i = 0; i < M; ++i) acc[i] = zacc[i] = _mm256_setzero_ps();
+  const uint8_t* t = w.tiles + g * nb * tile;
+  for (int64_t b = 0; b < nb; ++b, t += tile) {
+    const uint8_t* chunks = t + code_at;
+    __m256i dots[M][Halves];
+    for (int i = 0; i < M; ++i)
+      for (int h = 0; h < Halves; ++h) dots[i][h] = _mm256_setzero_si256();
+    if constexpr (Bits == 4) {
+      for (int j = 0; j < 4; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 32 * j));
+        const __m256i codes[4] = {_mm256_and_si256(v, nibble), _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble),
+                                  _mm256_and_si256(_mm256_srli_epi16(v, 8), nibble), _mm256_srli_epi16(v, 12)};
+        for (int i = 0; i < M; ++i) {
+          const int16_t* xq = x.q + (m0 + i) * x.cols + b * kBlock;
+          for (int k = 0; k < 4; ++k) dots[i][0] = _mm256_add_epi32(dots[i][0], _mm256_madd_epi16(codes[k], pair(xq, 4 * j + k)));
+        }
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 32 * j));
+        const __m256i low = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8), high = _mm256_srai_epi16(v, 8);
+        const int h = Halves == 2 ? j / 4 : 0;
+        for (int i = 0; i < M; ++i) {
+          const int16_t* xq = x.q + (m0 + i) * x.cols + b * kBlock;
+          dots[i][h] = _mm256_add_epi32(dots[i][h], _mm256_madd_epi16(low, pair(xq, 2 * j)));
+          dots[i][h] = _mm256_add_epi32(dots[i][h], _mm256_madd_epi16(high, pair(xq, 2 * j + 1)));
         }
       }
     }
-  }
-  for (int i = 0; i < M; ++i)
-    for (int j = 0; j < N; ++j) y[(m0 + i) * w.rows + n0 + j] = finish(x, w, m0 + i, n0 + j, acc[i][j]);
-}
-
-// Weight rows asked from memory this far ahead of the tile that reads them: a decode step's
-// matrices stream from DRAM, and a few KB in flight keep more of its bandwidth busy.
-constexpr int64_t kPrefetchRows = 16;
-
-template <int Bits, int M, int N, int Group>
-RADIXLM_AVX2 void sweep(const QuantizedActivations& x, const CodeMatrix& w, int64_t m0, int64_t n0, int64_t n1, float* y) {
-  int64_t n = n0;
-  for (; n + N <= n1; n += N) {
-    if (n + kPrefetchRows + N <= n1) {
-      const char* ahead = reinterpret_cast<const char*>(w.codes + (n + kPrefetchRows) * w.row_bytes());
-      for (int64_t off = 0; off < N * w.row_bytes(); off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+    __m256 scales[Halves];
+    for (int h = 0; h < Halves; ++h) scales[h] = load8(t + h * kTileRows * (w.half ? 2 : 4), w.half);
+    const __m256 zeros = w.zero ? load8(t + w.scale_bytes(), w.half) : _mm256_setzero_ps();
+    for (int i = 0; i < M; ++i) {
+      const __m256 d = _mm256_set1_ps(x.d[(m0 + i) * nb + b]);
+      for (int h = 0; h < Halves; ++h)
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[i][h]), _mm256_mul_ps(scales[h], d), acc[i]);
+      if (w.zero) zacc[i] = _mm256_fmadd_ps(zeros, _mm256_set1_ps(x.sum[(m0 + i) * nb + b]), zacc[i]);
     }
-    tile<Bits, M, N, Group>(x, w, m0, n, y);
   }
-  for (; n < n1; ++n) tile<Bits, M, 1, Group>(x, w, m0, n, y);
+  const int64_t first = g * kTileRows, valid = std::min<int64_t>(kTileRows, w.rows - first);
+  for (int i = 0; i < M; ++i) {
+    const __m256 out = w.zero ? _mm256_add_ps(acc[i], zacc[i]) : acc[i];
+    float* dst = y + (m0 + i) * w.rows + first;
+    if (valid == kTileRows) {
+      _mm256_storeu_ps(dst, out);
+    } else {
+      alignas(32) float part[kTileRows];
+      _mm256_store_ps(part, out);
+      for (int64_t r = 0; r < valid; ++r) dst[r] = part[r];
+    }
+  }
 }
 
-template <int Bits, int Group = 32>
-RADIXLM_AVX2 void rows(const QuantizedActivations& x, const CodeMatrix& w, int64_t n0, int64_t n1, float* y) {
-  int64_t m = 0;
-  for (; m + 4 <= x.rows; m += 4) sweep<Bits, 4, 2, Group>(x, w, m, n0, n1, y);  // 8 accumulators
-  for (; m < x.rows; ++m) sweep<Bits, 1, 4, Group>(x, w, m, n0, n1, y);          // 4 chains for a lone row
+template <int Bits, int Group>
+RADIXLM_AVX2 void groups(const QuantizedActivations& x, const TiledMatrix& w, int64_t g0, int64_t g1, float* y) {
+  for (int64_t g = g0; g < g1; ++g) {  // a group's tiles (a few KB) stay in L1 across the activation rows
+    int64_t m = 0;
+    for (; m + 4 <= x.rows; m += 4) group_rows<Bits, Group, 4>(x, w, m, g, y);
+    switch (x.rows - m) {
+      case 3: group_rows<Bits, Group, 3>(x, w, m, g, y); break;
+      case 2: group_rows<Bits, Group, 2>(x, w, m, g, y); break;
+      case 1: group_rows<Bits, Group, 1>(x, w, m, g, y); break;
+      default: break;
+    }
+  }
 }
 
 }  // namespace
 
-void matmul_rows_avx2(const QuantizedActivations& x, const CodeMatrix& w, int64_t n0, int64_t n1, float* y) {
+void matmul_groups_avx2(const QuantizedActivations& x, const TiledMatrix& w, int64_t g0, int64_t g1, float* y) {
   if (w.bits == 4)
-    rows<4>(x, w, n0, n1, y);
+    groups<4, 32>(x, w, g0, g1, y);
   else if (w.group == 16)
-    rows<8, 16>(x, w, n0, n1, y);
+    groups<8, 16>(x, w, g0, g1, y);
   else
-    rows<8>(x, w, n0, n1, y);
+    groups<8, 32>(x, w, g0, g1, y);
 }
 
 RADIXLM_AVX2 void quantize_rows_avx2(const float* x, int64_t rows, int64_t cols, int16_t* q, float* d, float* sum) {

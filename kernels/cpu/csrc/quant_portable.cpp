@@ -1,7 +1,8 @@
 // The portable path of the quantized matmul: plain C++, the reference every vectorized path is
-// tested against. It forms the same integer lanes the vector paths do and adds them in the same
-// order (blocks in order into eight lanes, then the lanes in a fixed tree), so the paths agree
-// bit for bit: the build forbids a compiler's own fused multiply-adds (-ffp-contract=off).
+// tested against. Each output's blocks are exact integer dots, each scaled and added into one
+// accumulator in block order (the zero points' terms into another), as the vector paths do, so
+// the paths agree bit for bit: the build forbids a compiler's own fused multiply-adds
+// (-ffp-contract=off).
 #include <cmath>
 #include <cstring>
 
@@ -56,78 +57,67 @@ void quantize_rows_portable(const float* x, int64_t rows, int64_t cols, int16_t*
 
 namespace {
 
-float scale_at(const CodeMatrix& w, int64_t i) {
-  return w.half ? half_to_float(static_cast<const uint16_t*>(w.scale)[i]) : static_cast<const float*>(w.scale)[i];
+float value_at(const uint8_t* p, int64_t i, bool half) {
+  if (half) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * i, 2);
+    return half_to_float(h);
+  }
+  float f;
+  std::memcpy(&f, p + 4 * i, 4);
+  return f;
 }
 
-float zero_at(const CodeMatrix& w, int64_t i) {
-  if (w.zero == nullptr) return 0.0f;
-  return w.half ? half_to_float(static_cast<const uint16_t*>(w.zero)[i]) : static_cast<const float*>(w.zero)[i];
-}
-
-int32_t code_at(const CodeMatrix& w, const uint8_t* group, int column) {
-  if (w.bits == 8) return int8_t(group[column]);
-  const uint8_t byte = group[column % 16];
-  return column < 16 ? (byte & 0x0F) : (byte >> 4);
-}
-
-// The integer lanes the vector paths form for one block: lane l sums columns 2l, 2l+1 (the
-// first half's pairs) and 16+2l, 17+2l (the second half's).
-void block_lanes(const CodeMatrix& w, const uint8_t* group, const int16_t* x, int32_t lanes[8]) {
-  for (int l = 0; l < 8; ++l) {
-    lanes[l] = 0;
-    const int columns[4] = {2 * l, 2 * l + 1, 16 + 2 * l, 17 + 2 * l};
-    for (int c : columns) lanes[l] += code_at(w, group, c) * int32_t(x[c]);
+// One tile's codes as integers, codes[row][column] (the layout in common.h).
+void tile_codes(const TiledMatrix& w, const uint8_t* chunks, int32_t codes[kTileRows][kBlock]) {
+  for (int i = 0; i < 16; ++i) {
+    const int r = i / 2, e = i % 2;
+    if (w.bits == 4) {
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t word = uint32_t(chunks[32 * j + 2 * i]) | (uint32_t(chunks[32 * j + 2 * i + 1]) << 8);
+        for (int k = 0; k < 4; ++k) codes[r][2 * (4 * j + k) + e] = int32_t((word >> (4 * k)) & 15);
+      }
+    } else {
+      for (int j = 0; j < 8; ++j)
+        for (int h = 0; h < 2; ++h) codes[r][2 * (2 * j + h) + e] = int8_t(chunks[32 * j + 2 * i + h]);
+    }
   }
 }
 
-// The vector paths' horizontal sum of eight lanes: (0+4, 1+5, 2+6, 3+7), then pairs, then the two.
-float lanes_sum(const float acc[8]) {
-  const float a0 = acc[0] + acc[4], a1 = acc[1] + acc[5], a2 = acc[2] + acc[6], a3 = acc[3] + acc[7];
-  const float b0 = a0 + a2, b1 = a1 + a3;
-  return b0 + b1;
+int32_t dot(const int32_t* codes, const int16_t* x, int n) {
+  int32_t total = 0;
+  for (int c = 0; c < n; ++c) total += codes[c] * int32_t(x[c]);
+  return total;
 }
 
 }  // namespace
 
-void matmul_rows_portable(const QuantizedActivations& x, const CodeMatrix& w, int64_t n0, int64_t n1, float* y) {
-  const int64_t nb = w.blocks();
-  const int64_t group_bytes = kBlock * w.bits / 8;
-  for (int64_t m = 0; m < x.rows; ++m) {
-    const int16_t* xq = x.q + m * x.cols;
-    const float* xd = x.d + m * nb;
-    const float* xs = x.sum + m * nb;
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = w.codes + n * w.row_bytes();
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+void matmul_groups_portable(const QuantizedActivations& x, const TiledMatrix& w, int64_t g0, int64_t g1, float* y) {
+  const int64_t nb = w.blocks(), tile = w.tile_bytes();
+  int32_t codes[kTileRows][kBlock];
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t m = 0; m < x.rows; ++m) {
+      const int16_t* xq = x.q + m * x.cols;
+      float acc[kTileRows] = {}, zacc[kTileRows] = {};
       for (int64_t b = 0; b < nb; ++b) {
-        if (w.group == 16) {  // each half of the block its own scale: the halves' lanes apart
-          for (int half = 0; half < 2; ++half) {
-            const float s = scale_at(w, n * 2 * nb + 2 * b + half) * xd[b];
-            for (int l = 0; l < 8; ++l) {
-              const int c = 16 * half + 2 * l;
-              const int32_t lane = code_at(w, row + b * group_bytes, c) * int32_t(xq[b * kBlock + c]) +
-                                   code_at(w, row + b * group_bytes, c + 1) * int32_t(xq[b * kBlock + c + 1]);
-              acc[l] = std::fma(float(lane), s, acc[l]);
+        const uint8_t* t = w.tiles + (g * nb + b) * tile;
+        tile_codes(w, t + w.scale_bytes() + w.zero_bytes(), codes);
+        const float d = x.d[m * nb + b];
+        for (int r = 0; r < kTileRows; ++r) {
+          if (w.group == 16) {  // each half of the block its own scale, the first half's first
+            for (int h = 0; h < 2; ++h) {
+              const float sd = value_at(t, h * kTileRows + r, w.half) * d;
+              acc[r] = std::fma(float(dot(codes[r] + 16 * h, xq + b * kBlock + 16 * h, 16)), sd, acc[r]);
             }
+          } else {
+            const float sd = value_at(t, r, w.half) * d;
+            acc[r] = std::fma(float(dot(codes[r], xq + b * kBlock, kBlock)), sd, acc[r]);
           }
-          continue;
+          if (w.zero) zacc[r] = std::fma(value_at(t + w.scale_bytes(), r, w.half), x.sum[m * nb + b], zacc[r]);
         }
-        int32_t lanes[8];
-        block_lanes(w, row + b * group_bytes, xq + b * kBlock, lanes);
-        const float s = scale_at(w, n * nb + b) * xd[b];
-        for (int l = 0; l < 8; ++l) acc[l] = std::fma(float(lanes[l]), s, acc[l]);
       }
-      float zacc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      int64_t b = 0;
-      if (w.zero != nullptr) {
-        for (; b + 8 <= nb; b += 8)
-          for (int l = 0; l < 8; ++l) zacc[l] = std::fma(zero_at(w, n * nb + b + l), xs[b + l], zacc[l]);
-      }
-      float out = lanes_sum(acc) + lanes_sum(zacc);
-      if (w.zero != nullptr)
-        for (; b < nb; ++b) out = std::fma(zero_at(w, n * nb + b), xs[b], out);
-      y[m * w.rows + n] = out;
+      for (int r = 0; r < kTileRows && g * kTileRows + r < w.rows; ++r)
+        y[m * w.rows + g * kTileRows + r] = w.zero ? acc[r] + zacc[r] : acc[r];
     }
   }
 }

@@ -15,9 +15,9 @@ namespace radixlm {
 
 void check_rows(const at::Tensor& x, const char* what);  // contiguous 2-D float32 on the CPU
 
-// codes [rows, cols * bits / 8], scale (and zero, optional) [rows, cols / group]
-CodeMatrix code_matrix(const at::Tensor& codes, const at::Tensor& scale, const std::optional<at::Tensor>& zero,
-                       int64_t bits, int64_t cols);
+// tiles [ceil(rows / 8), cols / 32, tile bytes] uint8, laid out as common.h says
+TiledMatrix tiled_matrix(const at::Tensor& tiles, int64_t rows, int64_t cols, int64_t bits, int64_t group, bool half,
+                         bool zero);
 
 void check_pool(const at::Tensor& pool, int64_t kv_heads, int64_t head_dim, const char* what);
 void check_index(const at::Tensor& t, int64_t n, const char* what);
