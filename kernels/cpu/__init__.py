@@ -123,6 +123,12 @@ def untile(t: Tiled, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, to
     return codes, scale, zero
 
 
+def dequantize_rows(w: Tiled, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (int64, any shape) of the tiled matrix as float32 [*ids.shape, cols]: scale *
+    code + zero (a multiply, then an add), read from those rows' tiles alone (embedding lookups)."""
+    return torch.ops.radixlm.dequantize_rows(w.tiles, ids, *w.format, w.cols)
+
+
 def quant_matmul(x: torch.Tensor, w: Tiled, isa: int = -1) -> torch.Tensor:
     """x W^T for x [m, k] float32 and W the tiled codes (`tile`). Returns float32 [m, n].
 
@@ -173,5 +179,5 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
 
 
 __all__ = ["BLOCK", "ISA_NAMES", "NativeBuildError", "TILE_ROWS", "Tiled", "best_isa", "cpu_flags", "decode_attention",
-           "isa_name", "load", "quant_matmul", "quantize_activations", "rms_norm", "rope_store", "silu_mul", "tile",
+           "dequantize_rows", "isa_name", "load", "quant_matmul", "quantize_activations", "rms_norm", "rope_store", "silu_mul", "tile",
            "untile"]

@@ -128,6 +128,7 @@ class QuantizedMatrix:
         self.dense: torch.Tensor | None = None  # oneDNN-packed copy for large batches, when the plan uses one
         cpu.load()
         self._op = torch.ops.radixlm.quant_matmul.default
+        self._rows = torch.ops.radixlm.dequantize_rows.default
         self._format = self.tiled.format
         self.dtype = torch.float32  # the model's: what an embedding lookup returns (quantize_model sets it)
 
@@ -165,13 +166,8 @@ class QuantizedMatrix:
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the table, from the codes: only those rows' tiles are read."""
-        from radixlm.kernels import cpu
-
-        codes, scale, zero = cpu.untile(self.tiled, ids)
-        g = codes.float().view(-1, self.in_features // self.group, self.group) * scale.float()[..., None]
-        if zero is not None:
-            g = g + zero.float()[..., None]
-        return g.view(*ids.shape, self.in_features).to(self.dtype)
+        rows = self._rows(self.tiled.tiles, ids, *self._format, self.in_features)
+        return rows if self.dtype == torch.float32 else rows.to(self.dtype)
 
 
 def _pack_dense(w: torch.Tensor) -> torch.Tensor:

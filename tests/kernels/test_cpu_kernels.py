@@ -35,6 +35,10 @@ def test_quant_matmul_against_the_reference_and_across_paths(m, n, blocks, kind,
     assert (back[2] is None) == (zero is None) and (zero is None or torch.equal(back[2], zero))
     rows = torch.tensor([n - 1, 0, n // 2])
     assert torch.equal(cpu.untile(tiled, rows)[0], raw[rows].to(torch.int32))
+    looked_up = raw[rows].float().view(3, -1, group) * scale[rows].float()[..., None]  # the embedding's lookup
+    if zero is not None:
+        looked_up = looked_up + zero[rows].float()[..., None]
+    assert torch.equal(cpu.dequantize_rows(tiled, rows), looked_up.view(3, k))
     x = torch.randn(m, k, generator=gen) * 3
     portable = cpu.quant_matmul(x, tiled, isa=0)
     want = ref.quant_matmul(x, raw, scale.float(), None if zero is None else zero.float())
@@ -109,6 +113,8 @@ def test_bad_arguments_are_named():
         cpu.quant_matmul(x.double(), w)
     with pytest.raises(RuntimeError, match="not supported by this CPU"):
         cpu.quant_matmul(x, w, isa=len(cpu.ISA_NAMES) + 3)
+    with pytest.raises(RuntimeError, match="row 4 outside a matrix of 4 rows"):
+        cpu.dequantize_rows(w, torch.tensor([0, 4]))
     with pytest.raises(ValueError, match="not 4-bit in groups of 16"):
         cpu.tile(torch.zeros(4, 64, dtype=torch.int64), torch.ones(4, 4), None, 4)
 

@@ -64,6 +64,10 @@ void matmul_groups_avx2(const QuantizedActivations& x, const TiledMatrix& w, int
 void quantize_rows_portable(const float* x, int64_t rows, int64_t cols, int16_t* q, float* d, float* sum);
 void quantize_rows_avx2(const float* x, int64_t rows, int64_t cols, int16_t* q, float* d, float* sum);
 
+// Rows `ids` of w dequantized, out [n, w.cols] = scale * code + zero in fp32 (a multiply, then an
+// add): an embedding table's lookups, read from the tiles of those rows alone.
+void dequantize_rows(const TiledMatrix& w, const int64_t* ids, int64_t n, float* out);
+
 float half_to_float(uint16_t h);
 
 }  // namespace radixlm

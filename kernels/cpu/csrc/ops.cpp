@@ -1,12 +1,14 @@
 // The library's torch ops (torch.ops.radixlm.*): the ISA chosen once, and each op's argument
 // checks before it runs (dispatch.cpp splits the work across threads; the kernels themselves live
 // in the *_portable and *_avx2 files).
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <tuple>
+#include <vector>
 
 #include "tensors.h"
 
@@ -130,6 +132,22 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& tiles, int64_t ro
   return y;
 }
 
+at::Tensor dequantize_rows_op(const at::Tensor& tiles, const at::Tensor& ids, int64_t rows, int64_t bits, int64_t group,
+                              bool half, bool zero, int64_t cols) {
+  const TiledMatrix w = tiled_matrix(tiles, rows, cols, bits, group, half, zero);
+  TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong, "radixlm: row ids must be an int64 CPU tensor");
+  const at::Tensor flat = ids.contiguous().view(-1);
+  const int64_t* id = flat.data_ptr<int64_t>();
+  for (int64_t i = 0; i < flat.numel(); ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < rows, "radixlm: row ", id[i], " outside a matrix of ", rows, " rows");
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(cols);
+  at::Tensor out = at::empty(shape, at::TensorOptions().dtype(at::kFloat));
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, flat.numel(), 64, [&](int64_t a, int64_t b) { dequantize_rows(w, id + a, b - a, dst + a * cols); });
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x, int64_t isa_level) {
   check_blocks(x);
   const Activations a(x.size(0), x.size(1), x.options());
@@ -219,6 +237,8 @@ int64_t best_isa_level() { return int64_t(best_isa()); }
 
 TORCH_LIBRARY(radixlm, m) {
   m.def("best_isa() -> int", &best_isa_level);
+  m.def("dequantize_rows(Tensor tiles, Tensor ids, int rows, int bits, int group, bool half, bool zero, int cols) -> Tensor",
+        &dequantize_rows_op);
   m.def("quantize_activations(Tensor x, int isa=-1) -> (Tensor, Tensor, Tensor)", &quantize_activations);
   m.def("quant_matmul(Tensor x, Tensor tiles, int rows, int bits, int group, bool half, bool zero, int isa=-1) -> Tensor",
         &quant_matmul);

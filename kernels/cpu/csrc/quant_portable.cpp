@@ -92,6 +92,24 @@ int32_t dot(const int32_t* codes, const int16_t* x, int n) {
 
 }  // namespace
 
+void dequantize_rows(const TiledMatrix& w, const int64_t* ids, int64_t n, float* out) {
+  const int64_t nb = w.blocks(), tile = w.tile_bytes();
+  int32_t codes[kTileRows][kBlock];
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t g = ids[i] / kTileRows, r = ids[i] % kTileRows;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* t = w.tiles + (g * nb + b) * tile;
+      tile_codes(w, t + w.scale_bytes() + w.zero_bytes(), codes);
+      const float zero = w.zero ? value_at(t + w.scale_bytes(), r, w.half) : 0.0f;
+      for (int c = 0; c < kBlock; ++c) {
+        const float scale = value_at(t, (w.group == 16 ? c / 16 : 0) * kTileRows + r, w.half);
+        const float v = float(codes[r][c]) * scale;
+        out[i * w.cols + b * kBlock + c] = w.zero ? v + zero : v;
+      }
+    }
+  }
+}
+
 void matmul_groups_portable(const QuantizedActivations& x, const TiledMatrix& w, int64_t g0, int64_t g1, float* y) {
   const int64_t nb = w.blocks(), tile = w.tile_bytes();
   int32_t codes[kTileRows][kBlock];
