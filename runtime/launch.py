@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import multiprocessing as mp
 import shutil
@@ -28,6 +29,7 @@ from typing import Any, Callable, Iterator
 
 from radixlm.runtime import ipc
 from radixlm.runtime.args import ServerArgs
+from radixlm.runtime.utils import trim_heap
 
 log = logging.getLogger("radixlm.launch")
 
@@ -121,6 +123,13 @@ def run_child(title: str, cls: Callable[..., Any], cls_args: tuple, ready: Conne
         log.exception("%s failed to start", title)
         ready.send({"error": f"{type(e).__name__}: {e}"})
         return
+    # What start-up built (the model, the tokenizer, the libraries' modules) lives as long as the
+    # process: frozen out of the collector's generations, a full collection while serving walks
+    # only what serving made, not the hundreds of thousands of objects start-up left. What it
+    # freed (the weights a quantized model was made from) goes back to the system.
+    gc.collect()
+    trim_heap()
+    gc.freeze()
     ready.send({"ok": True, **child.ready_info()})
     child.run_forever()
 

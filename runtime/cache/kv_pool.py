@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+import mmap
+
+import numpy as np
 import torch
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor. On a CPU it lives in its own anonymous mapping, whose pages the kernel
+    zeroes when first touched: a pool of gigabytes costs resident memory only for the slots
+    written, where torch.zeros would write (commit) every page up front. (Not calloc: it may hand
+    back freed heap memory, which it must then clear, page by page.)"""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+    pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
 class KVPool:
@@ -18,10 +33,11 @@ class KVPool:
                  dtype: torch.dtype, device: torch.device | str) -> None:
         self.num_slots = num_slots
         # Zeroed, not empty: padded gathers read unused slots, and garbage could hold NaNs
-        # that a masked-out attention weight of 0 would still turn into NaN.
+        # that a masked-out attention weight of 0 would still turn into NaN. On a CPU the zeros
+        # are lazy (`zeroed`): the pool is resident only as far as it has been written.
         shape = (num_kv_heads, num_slots, head_dim)
-        self.k_heads = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_heads = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_heads = [zeroed(shape, dtype, device) for _ in range(num_layers)]
+        self.v_heads = [zeroed(shape, dtype, device) for _ in range(num_layers)]
         self.k = [t.transpose(0, 1) for t in self.k_heads]
         self.v = [t.transpose(0, 1) for t in self.v_heads]
 
