@@ -261,37 +261,53 @@ def main() -> None:
         sys.exit("no CUDA device: run with --dry-run")
     torch.manual_seed(0)
     device = "CPU (Triton interpreter, dry run)" if DRY else torch.cuda.get_device_name()
-    lines = [f"# GPU check: {device}", "", f"torch {torch.__version__}, {DTYPE}, heads {HEADS}/{KV_HEADS} x {DIM}, page {PAGE}", ""]
-    lines += ["## Correctness (relative error against the torch reference)", "", "| kernel | shapes | rel. error |",
-              "|---|---|---|"]
-    check_correctness(lines)
+    out = args.out or (None if DRY else os.path.join(os.path.dirname(__file__), "results", "gpu.md"))
+    lines = [f"# GPU check: {device}", "", f"torch {torch.__version__}, {DTYPE}, heads {HEADS}/{KV_HEADS} x {DIM}, page {PAGE}"]
+    failed = []
+
+    def section(title: str, header: list[str], fill) -> None:
+        """One table: written out as soon as it is done, so a later section's failure (or the
+        device's time running out) keeps it. On a GPU a failed section is recorded and the next one
+        runs; the dry run (a test) fails at once."""
+        start = time.perf_counter()
+        lines.extend(["", f"## {title}", "", *header])
+        try:
+            fill(lines)
+        except Exception:
+            if DRY:
+                raise
+            import traceback
+
+            failed.append(title)
+            lines.extend(["", "**failed:**", "", "```", *traceback.format_exc().splitlines()[-25:], "```"])
+        print("\n".join(lines[lines.index(f"## {title}") - 1:]), flush=True)
+        print(f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
+        if out:
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+            with open(out, "w") as f:
+                f.write("\n".join(lines) + "\n")
+
+    print(lines[0], flush=True)
+    section("Correctness (relative error against the torch reference)", ["| kernel | shapes | rel. error |",
+            "|---|---|---|"], check_correctness)
     bw = copy_bandwidth()
-    lines += ["", f"## Decode attention (copy bandwidth {bw / 1e9:.0f} GB/s)", "",
-              "| batch | context | ms | GB/s | of copy |", "|---|---|---|---|---|"]
-    time_decode(lines, bw)
-    lines += ["", "## Extend attention (causal; FLOP/s)", "",
-              "| new tokens | cached prefix | ms | TFLOP/s | torch SDPA TFLOP/s (ours/theirs) |", "|---|---|---|---|---|"]
-    time_extend(lines)
+    section(f"Decode attention (copy bandwidth {bw / 1e9:.0f} GB/s)", ["| batch | context | ms | GB/s | of copy |",
+            "|---|---|---|---|---|"], lambda rows: time_decode(rows, bw))
+    section("Extend attention (causal; FLOP/s)", ["| new tokens | cached prefix | ms | TFLOP/s | torch SDPA TFLOP/s "
+            "(ours/theirs) |", "|---|---|---|---|---|"], time_extend)
     with tempfile.TemporaryDirectory() as tmp:
         path = llama3_shape(tmp)
-        lines += ["", "## End to end (random-weight Llama-3-8B shape)", "",
-                  "| workload | wall s | output tok/s | total tok/s |", "|---|---|---|---|"]
-        end_to_end(lines, path)
+        section("End to end (random-weight Llama-3-8B shape)", ["| workload | wall s | output tok/s | total tok/s |",
+                "|---|---|---|---|"], lambda rows: end_to_end(rows, path))
         graphs = "eager static batches (dry run)" if DRY else "CUDA graphs"
-        lines += ["", f"## Decode tokens/s by batch ({DECODE_PROMPT}-token prompts, {DECODE_NEW} new; vs graphs off, "
-                  "overlap off)", "", f"| batch | {graphs} + overlap | {graphs}, no overlap | eager + overlap | "
-                  "eager, no overlap |", "|---|---|---|---|---|"]
-        decode_matrix(lines, path)
-        lines += ["", "## radixlm bench serve (defaults: graphs and overlap on with CUDA)", "",
-                  "| workload | output tok/s | TTFT p50 ms | TPOT p50 ms |", "|---|---|---|---|"]
-        bench_serve(lines, path)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out = args.out or (None if DRY else os.path.join(os.path.dirname(__file__), "results", "gpu.md"))
-    if out:
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        with open(out, "w") as f:
-            f.write(text)
+        section(f"Decode tokens/s by batch ({DECODE_PROMPT}-token prompts, {DECODE_NEW} new; vs graphs off, overlap off)",
+                [f"| batch | {graphs} + overlap | {graphs}, no overlap | eager + overlap | eager, no overlap |",
+                 "|---|---|---|---|---|"], lambda rows: decode_matrix(rows, path))
+        section("radixlm bench serve (defaults: graphs and overlap on with CUDA)",
+                ["| workload | output tok/s | TTFT p50 ms | TPOT p50 ms |", "|---|---|---|---|"],
+                lambda rows: bench_serve(rows, path))
+    if failed:
+        sys.exit(f"gpu check: {len(failed)} section(s) failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

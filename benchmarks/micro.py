@@ -140,7 +140,9 @@ def roofline_rows(quick: bool) -> tuple[list[str], list[str]]:
                f"| fp32 matmul ({512 if quick else 2048}², the faster kernel) | {flops / 1e9:.0f} GFLOP/s |"]
     from radixlm.runtime.local_engine import LocalEngine
 
-    engine = LocalEngine(max_total_tokens=8192, disable_radix_cache=True)  # every run prefills alike
+    # fp32 weights (the table's title): the floor counts their parameters' bytes; no radix cache, so
+    # every run prefills alike
+    engine = LocalEngine(max_total_tokens=8192, disable_radix_cache=True, quantization="none")
     params = sum(p.numel() for p in engine.worker.model.parameters())
     weight_bytes = params * 4
     rows = []

@@ -22,6 +22,9 @@ def test_micro_benchmarks_quick():
     radix = re.search(r"^\| 1000 \| (\d+) \| ([\d,]+) \| ([\d,]+) \|", out, re.M)
     assert radix and int(radix.group(1)) > 64  # the tree grew past the trunks
     ratios = [float(x) for x in re.findall(r"\| ([\d.]+)x \|$", out, re.M)]
+    # the fp32 floor reads SmolLM2's 540 MB of fp32 weights: over a millisecond at any CPU's bandwidth
+    floors = [float(x) for x in re.findall(r"^\| (?:1|8) \| [\d.]+ \| ([\d.]+) \| [\d.]+x \|$", out, re.M)]
+    assert len(floors) == 2 and min(floors) > 1.0, out
     # both rows measured; no bound on the ratio itself: the step and the floor's bandwidth are timed
     # at different moments, so another process on the other core moves one and not the other
     assert len(ratios) == 2 and all(r > 0 for r in ratios)
@@ -76,14 +79,17 @@ def test_one_stream_quick():
     assert done.returncode == 0, done.stderr[-2000:]
     rows = {r[0]: r for r in (line.strip("| ").split(" | ") for line in done.stdout.splitlines())
             if r[0] in ("none", "auto")}
-    # auto serves the file's codes only where they beat fp32 here, timed at start: on an AVX2-only
-    # CPU the two are close and either may win (seen: int4 in one run, none in the next)
-    assert rows["none"][1] == "none" and rows["auto"][1] in ("int4", "int8", "mixed", "none"), rows
+    # auto is decided by facts (the CPU's flags, the file's formats): the embedded Q4_1 file's layers
+    # are served from their 4-bit codes wherever the native kernels build
+    assert rows["none"][1] == "none" and rows["auto"][1] == "int4", rows
+    assert rows["none"][4] == "(the same)", rows  # fp32 has no native decoder: served = op by op
     for r in rows.values():
-        step, gemm, attention, rest, mb, floor = (float(r[i]) for i in (2, 4, 5, 6, 7, 8))
-        assert 0 < gemm < step and 0 < attention < step and abs(gemm + attention + rest - step) < 0.5 * step, r
-        assert floor > 0 and mb > 50
-    assert float(rows["auto"][7]) < 0.3 * float(rows["none"][7])  # the codes: a fifth of fp32's bytes
+        # every time is positive; the split is timed apart from the step (no sum is asserted: load on
+        # the other core moves one timing and not the other)
+        times = [float(r[i]) for i in (2, 5, 6, 7, 9, 11)] + ([float(r[4])] if r[4] != "(the same)" else [])
+        assert all(t > 0 for t in times), r
+        assert float(r[8]) > 50, r  # MB read per token: the weights at least
+    assert float(rows["auto"][8]) < 0.3 * float(rows["none"][8])  # the codes: a fifth of fp32's bytes
 
 
 def test_run_all_quick(tmp_path):
@@ -91,13 +97,14 @@ def test_run_all_quick(tmp_path):
     `radixlm fcfs` and `radixlm no-cache` differ only in an option, and the scheduler's property
     tests run every policy, cache on and off; `radixlm no-jump-forward` stands for them)."""
     systems = ["radixlm", "radixlm no-jump-forward", "hf-static"]
+    workloads = ["mmlu", "hellaswag", "chat", "json", "tree-of-thought", "react", "no-sharing"]
+    # the offline section alone: the online one (two more servers) is test_run_all_online_quick's
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "run_all.py"), "--quick",
-                           "--systems", ",".join(systems), "--out", str(tmp_path)],
+                           "--only", ",".join(workloads), "--systems", ",".join(systems), "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=900, env=dict(os.environ))  # no PYTHONPATH: kernels/ would shadow the installed `kernels`
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "summary.json").read_text())["results"]
     by = {(r["workload"], r["system"]): r for r in results}
-    workloads = ["mmlu", "hellaswag", "chat", "json", "tree-of-thought", "react", "no-sharing"]
     for w in workloads:
         ran = {s for s in systems if (w, s) in by}
         assert ran == set(systems) - ({"radixlm no-jump-forward"} if w != "json" else set()), (w, ran)
