@@ -2,7 +2,7 @@
 
 C++ in `csrc/`, registered as torch ops (`torch.ops.radixlm.*`), built on first use by `build.py`
 and cached. Every op takes `isa` (-1: the best this CPU runs, chosen once from cpuid; 0: the
-portable path; 1: AVX2+FMA+F16C) so tests can run each path against the portable one.
+portable path; 1: AVX2+FMA+F16C; 2: AVX-512 F/BW/VL/VNNI for the matmuls) so tests can run each path against the portable one.
 `reference.py` holds the torch reference of each op.
 
     from radixlm.kernels import cpu
@@ -19,7 +19,7 @@ import torch
 
 from radixlm.kernels.cpu.build import NativeBuildError, cpu_flags, load
 
-ISA_NAMES = ("portable", "avx2")
+ISA_NAMES = ("portable", "avx2", "avx512")
 BLOCK = 32  # columns per scale: the weights' groups and the activations' blocks
 
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from helpers import assert_drained
+from radixlm.kernels.cpu import build
 from radixlm.runtime.local_engine import LocalEngine
 from radixlm.runtime.worker.quant import Plan
 
@@ -35,7 +36,11 @@ def test_auto_serves_the_files_own_codes(served, smol):
     assert info["served_quantization"] == "int4"
     assert info["weight_formats"]["layers"] == "int4 g32: the file's Q4_1 codes"
     assert info["weight_formats"]["embedding and LM head"] == "int8 g32: the file's Q8_0 codes"
-    assert info["cpu_kernels"] in ("portable", "avx2")  # the best path this CPU runs, from its flags
+    # the best path this CPU runs: the library asks cpuid; /proc/cpuinfo is the independent view
+    flags = set(build.cpu_flags())
+    best = ("avx512" if {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags
+            else "avx2" if {"avx2", "fma", "f16c"} <= flags else "portable")
+    assert info["cpu_kernels"] == best, (info["cpu_kernels"], flags)
     dense = smol.engine.worker.weights_info()
     assert dense["served_quantization"] == "none" and dense["cpu_kernels"] == "none"
     assert dense["weight_formats"]["layers"] == "dense float32 (dequantized from Q4_1)"

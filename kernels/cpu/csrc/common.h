@@ -8,7 +8,8 @@ namespace radixlm {
 
 // The instruction sets a kernel may be built for, in the order of preference. Each vectorized
 // path is tested against `portable`, which is the reference.
-enum class Isa : int64_t { portable = 0, avx2 = 1 };
+// avx512: F, BW, VL and VNNI (the matmuls; its other ops are the AVX2 ones).
+enum class Isa : int64_t { portable = 0, avx2 = 1, avx512 = 2 };
 
 Isa best_isa();                      // the best level this CPU runs (from cpuid, at first call)
 Isa resolve_isa(int64_t requested);  // -1: best_isa(); else that level, checked against the CPU
@@ -60,6 +61,7 @@ struct TiledMatrix {
 // are: batch invariant, and every path bitwise the portable one.
 void matmul_groups_portable(const QuantizedActivations& x, const TiledMatrix& w, int64_t g0, int64_t g1, float* y);
 void matmul_groups_avx2(const QuantizedActivations& x, const TiledMatrix& w, int64_t g0, int64_t g1, float* y);
+void matmul_groups_avx512(const QuantizedActivations& x, const TiledMatrix& w, int64_t g0, int64_t g1, float* y);
 
 void quantize_rows_portable(const float* x, int64_t rows, int64_t cols, int16_t* q, float* d, float* sum);
 void quantize_rows_avx2(const float* x, int64_t rows, int64_t cols, int16_t* q, float* d, float* sum);

@@ -30,10 +30,10 @@ struct Linear {  // one projection on its tiled codes; the tensors are held so t
   Linear(const at::Tensor& tiles_, const at::Tensor& bias_, const int64_t* format, int64_t cols, int64_t rows,
          const char* what)
       : tiles(tiles_), bias(bias_) {
-    TORCH_CHECK(format[0] == rows, "radixlm: Decoder: ", what, " must have ", rows, " rows, got ", format[0]);
+    RADIXLM_CHECK(format[0] == rows, "radixlm: Decoder: ", what, " must have ", rows, " rows, got ", format[0]);
     w = tiled_matrix(tiles_, rows, cols, format[1], format[2], format[3] != 0, format[4] != 0);
     if (bias_.defined() && bias_.numel() > 0) {
-      TORCH_CHECK(bias_.scalar_type() == at::kFloat && bias_.is_contiguous() && bias_.numel() == rows,
+      RADIXLM_CHECK(bias_.scalar_type() == at::kFloat && bias_.is_contiguous() && bias_.numel() == rows,
                   "radixlm: Decoder: ", what, " bias must be float32 [", rows, "]");
       b = bias_.data_ptr<float>();
     }
@@ -46,7 +46,7 @@ struct Layer {
 };
 
 const at::Tensor& vector_of(const at::Tensor& t, int64_t n, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n && t.device().is_cpu(),
+  RADIXLM_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n && t.device().is_cpu(),
               "radixlm: Decoder: ", what, " must be float32 [", n, "]");
   return t;
 }
@@ -68,15 +68,15 @@ class Decoder : public torch::CustomClassHolder {
       : cos2_(std::move(cos2)), sin2_(std::move(sin2)), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim),
         eps_(float(eps)), scale_(float(scale)) {
     const int64_t n_layers = int64_t(k_pools.size());
-    TORCH_CHECK(n_layers > 0 && int64_t(v_pools.size()) == n_layers && int64_t(weights.size()) == n_layers * kPerLayer + 1 &&
+    RADIXLM_CHECK(n_layers > 0 && int64_t(v_pools.size()) == n_layers && int64_t(weights.size()) == n_layers * kPerLayer + 1 &&
                     int64_t(formats.size()) == n_layers * 4 * kFormat,
                 "radixlm: Decoder: ", weights.size(), " weights, ", formats.size(), " format numbers and ", k_pools.size(),
                 " / ", v_pools.size(), " pools do not make whole layers");
-    TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0 && head_dim % 2 == 0,
+    RADIXLM_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0 && head_dim % 2 == 0,
                 "radixlm: Decoder: bad head counts");
     check_rows(cos2_, "cos2");
     check_rows(sin2_, "sin2");
-    TORCH_CHECK(cos2_.size(1) == head_dim && sin2_.sizes() == cos2_.sizes(), "radixlm: Decoder: rotary tables must be [positions, head_dim]");
+    RADIXLM_CHECK(cos2_.size(1) == head_dim && sin2_.sizes() == cos2_.sizes(), "radixlm: Decoder: rotary tables must be [positions, head_dim]");
     hidden_ = weights[0].numel();
     final_norm_ = vector_of(weights.back(), hidden_, "the final norm");
     const int64_t q_size = heads * head_dim, width = (heads + 2 * kv_heads) * head_dim;
@@ -89,14 +89,14 @@ class Decoder : public torch::CustomClassHolder {
       layer.o = Linear(w[3], at::Tensor(), f + kFormat, q_size, hidden_, "o");
       layer.post_norm = vector_of(w[4], hidden_, "a post-attention norm");
       const int64_t inner2 = f[2 * kFormat];
-      TORCH_CHECK(inner2 > 0 && inner2 % 2 == 0 && (l == 0 || inner2 == 2 * inner_),
+      RADIXLM_CHECK(inner2 > 0 && inner2 % 2 == 0 && (l == 0 || inner2 == 2 * inner_),
                   "radixlm: Decoder: gate/up needs the same even number of rows in every layer");
       inner_ = inner2 / 2;
       layer.gate_up = Linear(w[5], at::Tensor(), f + 2 * kFormat, hidden_, inner2, "gate/up");
       layer.down = Linear(w[6], at::Tensor(), f + 3 * kFormat, inner_, hidden_, "down");
       check_pool(k_pools[l], kv_heads, head_dim, "k_pool");
       check_pool(v_pools[l], kv_heads, head_dim, "v_pool");
-      TORCH_CHECK(k_pools[l].size(1) == k_pools[0].size(1) && v_pools[l].size(1) == k_pools[0].size(1),
+      RADIXLM_CHECK(k_pools[l].size(1) == k_pools[0].size(1) && v_pools[l].size(1) == k_pools[0].size(1),
                   "radixlm: Decoder: every layer's pool must have the same slots");
       layer.k_pool = k_pools[l];
       layer.v_pool = v_pools[l];
@@ -109,12 +109,12 @@ class Decoder : public torch::CustomClassHolder {
   at::Tensor forward(const at::Tensor& h, const at::Tensor& positions, const at::Tensor& out_slots,
                      const at::Tensor& table, const at::Tensor& rows, const at::Tensor& seq_lens, int64_t isa_level) {
     check_rows(h, "h");
-    TORCH_CHECK(h.size(1) == hidden_, "radixlm: Decoder: h must have ", hidden_, " columns, got ", h.size(1));
+    RADIXLM_CHECK(h.size(1) == hidden_, "radixlm: Decoder: h must have ", hidden_, " columns, got ", h.size(1));
     const int64_t n = h.size(0);
     const Isa isa = resolve_isa(isa_level);
     check_positions(positions, out_slots, n, cos2_.size(0), slots_);
     const DecodeRows dr = decode_rows(table, rows, seq_lens, slots_);
-    TORCH_CHECK(dr.n == n, "radixlm: Decoder: ", dr.n, " decode rows for ", n, " tokens");
+    RADIXLM_CHECK(dr.n == n, "radixlm: Decoder: ", dr.n, " decode rows for ", n, " tokens");
     const int64_t q_size = heads_ * head_dim_, width = (heads_ + 2 * kv_heads_) * head_dim_;
     const auto options = h.options();
     at::Tensor residual = h.clone();

@@ -13,12 +13,14 @@ namespace radixlm {
 namespace {
 
 // Rows of work per thread task: enough that a task is worth a wake-up.
+constexpr int64_t kWideRows = 2;  // batches the AVX-512 matmul takes
+
 int64_t grain(int64_t cost_per_row) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cost_per_row)); }
 
 }  // namespace
 
 void quantize_into(const float* x, int64_t rows, int64_t cols, const ActivationBuffer& out, Isa isa) {
-  auto run = isa == Isa::avx2 ? quantize_rows_avx2 : quantize_rows_portable;
+  auto run = isa >= Isa::avx2 ? quantize_rows_avx2 : quantize_rows_portable;
   const int64_t nb = cols / kBlock;
   at::parallel_for(0, rows, grain(cols), [&](int64_t r0, int64_t r1) {
     run(x + r0 * cols, r1 - r0, cols, out.q + r0 * cols, out.d + r0 * nb, out.sum + r0 * nb);
@@ -29,7 +31,12 @@ void matmul_into(const float* x, int64_t m, const TiledMatrix& w, const float* b
                  float* y, Isa isa) {
   quantize_into(x, m, w.cols, scratch, isa);
   const QuantizedActivations xa{scratch.q, scratch.d, scratch.sum, m, w.cols};
-  auto run = isa == Isa::avx2 ? matmul_groups_avx2 : matmul_groups_portable;
+  // the AVX-512 kernel's per-call pair table grows with the rows (m x 512 bytes a block): it won
+  // at one row on a Sapphire Rapids host and lost at 8 and 32 (benchmarks/README.md), so larger
+  // batches take the AVX2 kernel, bitwise the same results
+  auto run = isa == Isa::avx512 && m <= kWideRows ? matmul_groups_avx512
+             : isa >= Isa::avx2                  ? matmul_groups_avx2
+                                                 : matmul_groups_portable;
   const int64_t group_bytes = w.blocks() * w.tile_bytes();
   at::parallel_for(0, w.groups(), grain(group_bytes * std::max<int64_t>(1, m / 4)), [&](int64_t g0, int64_t g1) {
     run(xa, w, g0, g1, y);
@@ -45,14 +52,14 @@ void rms_norm_into(const float* x, const float* weight, float eps, float* residu
     for (int64_t i = 0; i < rows * dim; ++i) residual[i] += x[i];
     x = residual;
   }
-  auto run = isa == Isa::avx2 ? rms_norm_rows_avx2 : rms_norm_rows_portable;
+  auto run = isa >= Isa::avx2 ? rms_norm_rows_avx2 : rms_norm_rows_portable;
   at::parallel_for(0, rows, grain(dim * 4), [&](int64_t r0, int64_t r1) {
     run(x + r0 * dim, weight, eps, r1 - r0, dim, out + r0 * dim);
   });
 }
 
 void silu_mul_into(const float* gate_up, int64_t rows, int64_t inner, float* out, Isa isa) {
-  auto run = isa == Isa::avx2 ? silu_mul_rows_avx2 : silu_mul_rows_portable;
+  auto run = isa >= Isa::avx2 ? silu_mul_rows_avx2 : silu_mul_rows_portable;
   at::parallel_for(0, rows, grain(inner * 8), [&](int64_t r0, int64_t r1) {
     run(gate_up + r0 * 2 * inner, r1 - r0, inner, out + r0 * inner);
   });
@@ -60,14 +67,14 @@ void silu_mul_into(const float* gate_up, int64_t rows, int64_t inner, float* out
 
 void rope_store_tokens(const TokenLayout& x, int64_t tokens, const int64_t* positions, const float* cos2,
                        const float* sin2, const KVLayer& kv, const int64_t* out_slots, Isa isa) {
-  auto run = isa == Isa::avx2 ? rope_store_avx2 : rope_store_portable;
+  auto run = isa >= Isa::avx2 ? rope_store_avx2 : rope_store_portable;
   at::parallel_for(0, tokens, grain(x.row_stride * 8),
                    [&](int64_t t0, int64_t t1) { run(x, positions, cos2, sin2, kv, out_slots, t0, t1); });
 }
 
 void decode_attention_into(const float* q, int64_t q_stride, int64_t heads, int64_t head_dim, const KVLayer& kv,
                            int64_t kv_heads, const DecodeRows& rows, float scale, float* out, Isa isa) {
-  auto run = isa == Isa::avx2 ? decode_head_avx2 : decode_head_portable;
+  auto run = isa >= Isa::avx2 ? decode_head_avx2 : decode_head_portable;
   const int64_t group = heads / kv_heads;
   // one task per (row, query head), its keys in key order: a lone decode row's 9 heads split
   // 5:4 over two threads, where its 3 KV heads' groups split 2:1

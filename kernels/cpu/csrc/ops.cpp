@@ -16,43 +16,46 @@ namespace radixlm {
 
 namespace {
 
-bool cpu_has_avx2() {
+Isa cpu_best() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return avx2 && avx512 ? Isa::avx512 : avx2 ? Isa::avx2 : Isa::portable;
 #else
-  return false;
+  return Isa::portable;
 #endif
 }
 
 }  // namespace
 
 Isa best_isa() {
-  static const Isa best = cpu_has_avx2() ? Isa::avx2 : Isa::portable;
+  static const Isa best = cpu_best();
   return best;
 }
 
 Isa resolve_isa(int64_t requested) {
   if (requested < 0) return best_isa();
-  TORCH_CHECK(requested <= int64_t(best_isa()), "radixlm: ISA level ", requested, " is not supported by this CPU (best: ",
+  RADIXLM_CHECK(requested <= int64_t(best_isa()), "radixlm: ISA level ", requested, " is not supported by this CPU (best: ",
               int64_t(best_isa()), ")");
   return Isa(requested);
 }
 
 void check_rows(const at::Tensor& x, const char* what) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "radixlm: ",
+  RADIXLM_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "radixlm: ",
               what, " must be a contiguous 2-D float32 CPU tensor, got ", x.scalar_type(), " ", x.sizes());
 }
 
 TiledMatrix tiled_matrix(const at::Tensor& tiles, int64_t rows, int64_t cols, int64_t bits, int64_t group, bool half,
                          bool zero) {
-  TORCH_CHECK(bits == 4 || bits == 8, "radixlm: codes must be 4 or 8 bits, got ", bits);
-  TORCH_CHECK(group == kBlock || (group == 16 && bits == 8 && !zero), "radixlm: codes come in groups of ", kBlock,
+  RADIXLM_CHECK(bits == 4 || bits == 8, "radixlm: codes must be 4 or 8 bits, got ", bits);
+  RADIXLM_CHECK(group == kBlock || (group == 16 && bits == 8 && !zero), "radixlm: codes come in groups of ", kBlock,
               " columns (or 16, for 8-bit codes without zero points), not ", group);
-  TORCH_CHECK(rows > 0 && cols > 0 && cols % kBlock == 0, "radixlm: a tiled matrix needs rows and a multiple of ", kBlock,
+  RADIXLM_CHECK(rows > 0 && cols > 0 && cols % kBlock == 0, "radixlm: a tiled matrix needs rows and a multiple of ", kBlock,
               " columns, got ", rows, " x ", cols);
   const TiledMatrix w{nullptr, rows, cols, int(bits), group, half, zero};
-  TORCH_CHECK(tiles.device().is_cpu() && tiles.scalar_type() == at::kByte && tiles.is_contiguous() && tiles.dim() == 3 &&
+  RADIXLM_CHECK(tiles.device().is_cpu() && tiles.scalar_type() == at::kByte && tiles.is_contiguous() && tiles.dim() == 3 &&
                   tiles.size(0) == w.groups() && tiles.size(1) == w.blocks() && tiles.size(2) == w.tile_bytes(),
               "radixlm: the tiles of a ", rows, " x ", cols, " matrix of ", bits, "-bit codes must be contiguous uint8 [",
               w.groups(), ", ", w.blocks(), ", ", w.tile_bytes(), "], got ", tiles.scalar_type(), " ", tiles.sizes());
@@ -60,14 +63,14 @@ TiledMatrix tiled_matrix(const at::Tensor& tiles, int64_t rows, int64_t cols, in
 }
 
 void check_pool(const at::Tensor& pool, int64_t kv_heads, int64_t head_dim, const char* what) {
-  TORCH_CHECK(pool.device().is_cpu() && pool.scalar_type() == at::kFloat && pool.is_contiguous() && pool.dim() == 3 &&
+  RADIXLM_CHECK(pool.device().is_cpu() && pool.scalar_type() == at::kFloat && pool.is_contiguous() && pool.dim() == 3 &&
                   pool.size(0) == kv_heads && pool.size(2) == head_dim,
               "radixlm: ", what, " must be a contiguous float32 [", kv_heads, ", slots, ", head_dim, "] CPU tensor, got ",
               pool.sizes());
 }
 
 void check_index(const at::Tensor& t, int64_t n, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous() && t.dim() == 1 && t.size(0) >= n,
+  RADIXLM_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous() && t.dim() == 1 && t.size(0) >= n,
               "radixlm: ", what, " must be a contiguous int64 CPU vector of at least ", n, " entries");
 }
 
@@ -78,8 +81,8 @@ void check_positions(const at::Tensor& positions, const at::Tensor& out_slots, i
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slot = out_slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) {  // a bad index is a bug upstream, but never a write out of bounds
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < table_positions, "radixlm: position ", pos[t], " outside the rotary tables");
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "radixlm: KV slot ", slot[t], " outside the pool");
+    RADIXLM_CHECK(pos[t] >= 0 && pos[t] < table_positions, "radixlm: position ", pos[t], " outside the rotary tables");
+    RADIXLM_CHECK(slot[t] >= 0 && slot[t] < slots, "radixlm: KV slot ", slot[t], " outside the pool");
   }
 }
 
@@ -87,7 +90,7 @@ DecodeRows decode_rows(const at::Tensor& table, const at::Tensor& rows, const at
   const int64_t n = rows.numel();
   check_index(rows, n, "rows");
   check_index(seq_lens, n, "seq_lens");
-  TORCH_CHECK(table.device().is_cpu() && table.scalar_type() == at::kLong && table.is_contiguous() && table.dim() == 2,
+  RADIXLM_CHECK(table.device().is_cpu() && table.scalar_type() == at::kLong && table.is_contiguous() && table.dim() == 2,
               "radixlm: the token table must be a contiguous int64 matrix");
   const int64_t* row = rows.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
@@ -95,10 +98,10 @@ DecodeRows decode_rows(const at::Tensor& table, const at::Tensor& rows, const at
   const int64_t cols = table.size(1);
   int64_t longest = 1;
   for (int64_t r = 0; r < n; ++r) {
-    TORCH_CHECK(row[r] >= 0 && row[r] < table.size(0) && lens[r] > 0 && lens[r] <= cols,
+    RADIXLM_CHECK(row[r] >= 0 && row[r] < table.size(0) && lens[r] > 0 && lens[r] <= cols,
                 "radixlm: decode row ", r, " has no valid token-table row or length");
     for (int64_t j = 0; j < lens[r]; ++j)
-      TORCH_CHECK(tab[row[r] * cols + j] >= 0 && tab[row[r] * cols + j] < slots,
+      RADIXLM_CHECK(tab[row[r] * cols + j] >= 0 && tab[row[r] * cols + j] < slots,
                   "radixlm: a token-table slot lies outside the pool");
     longest = std::max(longest, lens[r]);
   }
@@ -118,7 +121,7 @@ struct Activations {  // quantized activations' storage
 
 void check_blocks(const at::Tensor& x) {
   check_rows(x, "x");
-  TORCH_CHECK(x.size(1) % kBlock == 0, "radixlm: activations need a multiple of ", kBlock, " columns, got ", x.size(1));
+  RADIXLM_CHECK(x.size(1) % kBlock == 0, "radixlm: activations need a multiple of ", kBlock, " columns, got ", x.size(1));
 }
 
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& tiles, int64_t rows, int64_t bits, int64_t group,
@@ -135,11 +138,11 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& tiles, int64_t ro
 at::Tensor dequantize_rows_op(const at::Tensor& tiles, const at::Tensor& ids, int64_t rows, int64_t bits, int64_t group,
                               bool half, bool zero, int64_t cols) {
   const TiledMatrix w = tiled_matrix(tiles, rows, cols, bits, group, half, zero);
-  TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong, "radixlm: row ids must be an int64 CPU tensor");
+  RADIXLM_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong, "radixlm: row ids must be an int64 CPU tensor");
   const at::Tensor flat = ids.contiguous().view(-1);
   const int64_t* id = flat.data_ptr<int64_t>();
   for (int64_t i = 0; i < flat.numel(); ++i)
-    TORCH_CHECK(id[i] >= 0 && id[i] < rows, "radixlm: row ", id[i], " outside a matrix of ", rows, " rows");
+    RADIXLM_CHECK(id[i] >= 0 && id[i] < rows, "radixlm: row ", id[i], " outside a matrix of ", rows, " rows");
   std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
   shape.push_back(cols);
   at::Tensor out = at::empty(shape, at::TensorOptions().dtype(at::kFloat));
@@ -159,12 +162,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
                     int64_t isa_level) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), dim = x.size(1);
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == dim,
+  RADIXLM_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == dim,
               "radixlm: rms_norm weight must be float32 [", dim, "]");
   float* res = nullptr;
   if (residual.has_value() && residual->defined()) {
     check_rows(*residual, "residual");
-    TORCH_CHECK(residual->sizes() == x.sizes(), "radixlm: residual must be shaped like x");
+    RADIXLM_CHECK(residual->sizes() == x.sizes(), "radixlm: residual must be shaped like x");
     res = residual->data_ptr<float>();
   }
   at::Tensor out = at::empty(x.sizes(), x.options());
@@ -175,7 +178,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
 
 at::Tensor silu_mul(const at::Tensor& gate_up, int64_t isa_level) {
   check_rows(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "radixlm: silu_mul needs an even number of columns (gate, then up)");
+  RADIXLM_CHECK(gate_up.size(1) % 2 == 0, "radixlm: silu_mul needs an even number of columns (gate, then up)");
   const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
   at::Tensor out = at::empty({rows, inner}, gate_up.options());
   silu_mul_into(gate_up.data_ptr<float>(), rows, inner, out.data_ptr<float>(), resolve_isa(isa_level));
@@ -185,7 +188,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t isa_level) {
 TokenLayout token_layout(const at::Tensor& qkv, int64_t heads, int64_t kv_heads) {
   check_rows(qkv, "qkv");
   const int64_t width = qkv.size(1);
-  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && width % (heads + 2 * kv_heads) == 0,
+  RADIXLM_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && width % (heads + 2 * kv_heads) == 0,
               "radixlm: qkv rows of ", width, " columns do not hold ", heads, " query and 2 x ", kv_heads, " KV heads");
   return {qkv.data_ptr<float>(), width, heads, kv_heads, width / (heads + 2 * kv_heads)};
 }
@@ -193,8 +196,8 @@ TokenLayout token_layout(const at::Tensor& qkv, int64_t heads, int64_t kv_heads)
 void check_tables(const at::Tensor& cos2, const at::Tensor& sin2, int64_t head_dim) {
   check_rows(cos2, "cos2");
   check_rows(sin2, "sin2");
-  TORCH_CHECK(cos2.size(1) == head_dim && sin2.sizes() == cos2.sizes(), "radixlm: rotary tables must be [positions, head_dim]");
-  TORCH_CHECK(head_dim % 2 == 0, "radixlm: rotary needs an even head_dim");
+  RADIXLM_CHECK(cos2.size(1) == head_dim && sin2.sizes() == cos2.sizes(), "radixlm: rotary tables must be [positions, head_dim]");
+  RADIXLM_CHECK(head_dim % 2 == 0, "radixlm: rotary needs an even head_dim");
 }
 
 void rope_store(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos2, const at::Tensor& sin2,
@@ -214,17 +217,17 @@ void rope_store(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                             const at::Tensor& table, const at::Tensor& rows, const at::Tensor& seq_lens, double scale,
                             int64_t isa_level) {
-  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 2 && q.stride(1) == 1,
+  RADIXLM_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 2 && q.stride(1) == 1,
               "radixlm: q must be a float32 [rows, heads * head_dim] CPU tensor with contiguous rows");
   const int64_t kv_heads = k_pool.size(0), d = k_pool.dim() == 3 ? k_pool.size(2) : 0;
-  TORCH_CHECK(d > 0 && q.size(1) % d == 0 && (q.size(1) / d) % kv_heads == 0,
+  RADIXLM_CHECK(d > 0 && q.size(1) % d == 0 && (q.size(1) / d) % kv_heads == 0,
               "radixlm: q's ", q.size(1), " columns are not whole query heads of the pool's ", kv_heads, " x ", d);
   const int64_t heads = q.size(1) / d;
   check_pool(k_pool, kv_heads, d, "k_pool");
   check_pool(v_pool, kv_heads, d, "v_pool");
   const KVLayer kv{k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), k_pool.size(1)};
   const DecodeRows dr = decode_rows(table, rows, seq_lens, kv.slots);
-  TORCH_CHECK(dr.n <= q.size(0), "radixlm: more decode rows than q rows");
+  RADIXLM_CHECK(dr.n <= q.size(0), "radixlm: more decode rows than q rows");
   at::Tensor out = at::empty({dr.n, heads * d}, q.options());
   decode_attention_into(q.data_ptr<float>(), q.stride(0), heads, d, kv, kv_heads, dr, float(scale), out.data_ptr<float>(),
                         resolve_isa(isa_level));

@@ -4,12 +4,43 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include <optional>
+#include <string>
+#include <type_traits>
 
 #include "attention.h"
 #include "common.h"
 #include "dispatch.h"
+
+namespace radixlm {
+
+// An argument check's message, put together without std::ostream: numbers by std::to_string. On
+// one machine (g++ 13.3, torch 2.11) formatting an integer through TORCH_CHECK's stream crashed in
+// libstdc++'s number formatting instead of raising (benchmarks/README.md); text alone was fine.
+inline void append(std::string& s, const char* v) { s += v; }
+inline void append(std::string& s, const std::string& v) { s += v; }
+inline void append(std::string& s, c10::ScalarType v) { s += c10::toString(v); }
+inline void append(std::string& s, c10::IntArrayRef v) {
+  s += "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  s += "]";
+}
+template <class T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
+inline void append(std::string& s, T v) { s += std::to_string(v); }
+
+template <class... A>
+std::string message(const A&... parts) {
+  std::string s;
+  (append(s, parts), ...);
+  return s;
+}
+
+}  // namespace radixlm
+
+// TORCH_CHECK with the message above (built only when the check fails)
+#define RADIXLM_CHECK(cond, ...) TORCH_CHECK(cond, ::radixlm::message(__VA_ARGS__))
 
 namespace radixlm {
 
