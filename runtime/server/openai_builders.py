@@ -163,7 +163,9 @@ def completion_logprobs(
     prompt included); a stream passes the length sent so far. Offsets sum
     decoded token lengths, so they drift where a token alone decodes
     differently than in context. With ``echo`` the first prompt token has no
-    logprob and no alternatives: ``null``, as OpenAI sends it.
+    logprob and no alternatives: ``null``, as OpenAI sends it. Each other
+    token's alternatives include the token itself, as OpenAI's and the peers'
+    do: ``logprobs: 0`` gives one entry, ``logprobs: k`` up to k + 1.
     """
     pairs = list(meta.get("output_token_logprobs") or [])
     tops = _padded(meta.get("output_top_logprobs"), len(pairs))
@@ -178,7 +180,11 @@ def completion_logprobs(
         offsets.append(text_offset)
         text_offset += len(token)
         token_logprobs.append(None if logprob is None else _finite(logprob))
-        top_logprobs.append(None if logprob is None else _top_dict(top, decode))
+        if logprob is None:
+            top_logprobs.append(None)
+        else:  # up to logprobs + 1 entries: the token itself is always among them (logprobs=0 too)
+            top_logprobs.append(_top_dict(top, decode))
+            top_logprobs[-1].setdefault(token, _finite(logprob))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 

@@ -284,6 +284,19 @@ def test_completion_logprobs_format() -> None:
     openai.types.Completion.model_validate(body)
 
 
+def test_completion_top_logprobs_hold_the_chosen_token() -> None:
+    """OpenAI's rule (and SGLang's and vLLM's): up to logprobs + 1 entries, the token itself among
+    them. logprobs=0 asks for no alternatives, so each entry is the token alone (it was {})."""
+    res = result("X", [3, 4], 2, logprobs=True)
+    res["meta_info"]["output_top_logprobs"] = []  # top_logprobs_num 0: the runtime sends none
+    body = completion_response([res], "m", "r", ["p"], 1, decode, n=1)
+    assert body["choices"][0]["logprobs"]["top_logprobs"] == [{"t3": 0.0}, {"t4": -0.1}]
+    res = result("X", [3], 2, logprobs=True)
+    res["meta_info"]["output_top_logprobs"] = [[[-0.01, 7]]]  # sampled (not greedy): not in the top 1
+    body = completion_response([res], "m", "r", ["p"], 1, decode, n=1)
+    assert body["choices"][0]["logprobs"]["top_logprobs"] == [{"t7": -0.01, "t3": 0.0}]
+
+
 def test_completion_echo_logprobs_cover_the_prompt() -> None:
     res = result("X", [3], 2, logprobs=True)
     res["meta_info"]["input_token_logprobs"] = [[None, 1], [-1.5, 2]]
@@ -294,7 +307,7 @@ def test_completion_echo_logprobs_cover_the_prompt() -> None:
     assert body["choices"][0]["logprobs"] == {
         "tokens": ["t1", "t2", "t3"],
         "token_logprobs": [None, -1.5, 0.0],
-        "top_logprobs": [None, {"t9": -1.0}, {"t3": 0.0, "t99": -5.0}],
+        "top_logprobs": [None, {"t9": -1.0, "t2": -1.5}, {"t3": 0.0, "t99": -5.0}],
         "text_offset": [0, 2, 4],
     }
     assert body["choices"][0]["text"] == "t1t2X"
