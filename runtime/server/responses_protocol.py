@@ -280,7 +280,9 @@ def to_chat(req: ResponsesRequest) -> oa.ChatCompletionRequest:
         body["chat_template_kwargs"] = {"enable_thinking": False}  # Qwen3's switch; other templates ignore it
     if isinstance(req.tool_choice, FunctionChoice):
         body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.name}}
-    elif req.tool_choice is not None:
+    elif req.tool_choice is not None and (req.tools or req.tool_choice != "auto"):
+        # "auto" beside no tools is what OpenAI's own response objects carry (tools: []): nothing
+        # to choose from, so nothing to ask; "required" with no tools stays an error
         body["tool_choice"] = req.tool_choice
     try:
         return oa.ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})

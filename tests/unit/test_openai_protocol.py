@@ -529,3 +529,15 @@ def test_strict_tools_under_auto_hold_opened_calls_to_their_schemas() -> None:
     assert "structural_tag" not in chat_to_generate(chat(tools=[strict_add], tool_choice="none"), "p")["sampling_params"]
     with pytest.raises(ValidationError, match="strict tools under tool_choice auto"):
         chat(tools=[strict_add], response_format={"type": "json_object"})
+
+
+def test_responses_tool_choice_auto_needs_no_tools() -> None:
+    """OpenAI's response objects carry tool_choice "auto" beside tools: [] and clients send them
+    back; SGLang accepts that. "required" (or a named call) with no tools is still refused."""
+    from radixlm.runtime.server.responses_protocol import ResponsesRequest, to_chat
+
+    for extra in ({"tool_choice": "auto"}, {"tool_choice": "auto", "tools": []}):
+        chat = to_chat(ResponsesRequest.model_validate({"model": "m", "input": "hi", **extra}))
+        assert chat.tool_choice is None and not chat.tools
+    with pytest.raises(ValueError, match="tool_choice needs tools"):
+        to_chat(ResponsesRequest.model_validate({"model": "m", "input": "hi", "tool_choice": "required"}))
