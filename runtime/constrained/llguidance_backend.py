@@ -169,7 +169,11 @@ class LLGuidanceMatcher(Matcher):
         return self._taken
 
     def rollback(self, n: int) -> None:
-        assert n <= self._taken and self.matcher.rollback(n), self.matcher.get_error()
+        # (never inside an assert: under python -O the rollback itself would vanish)
+        if not 0 <= n <= self._taken:
+            raise ValueError(f"cannot roll back {n} tokens: at most {self._taken} can be")
+        if not self.matcher.rollback(n):
+            raise RuntimeError(f"llguidance could not roll back {n} tokens: {self.matcher.get_error()}")
         self._taken -= n
 
     def forced(self) -> Forced:

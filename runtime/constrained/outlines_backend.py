@@ -150,6 +150,9 @@ class OutlinesMatcher(Matcher):
         return self.guide.get_allowed_rollback()
 
     def rollback(self, n: int) -> None:
+        allowed = self.guide.get_allowed_rollback()
+        if not 0 <= n <= allowed:
+            raise ValueError(f"cannot roll back {n} tokens: at most {allowed} can be")
         self.guide.rollback_state(n)
 
     def forced(self) -> Forced:

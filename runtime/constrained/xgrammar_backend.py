@@ -141,7 +141,8 @@ class XGrammarMatcher(Matcher):
         return self._taken
 
     def rollback(self, n: int) -> None:
-        assert n <= self._taken
+        if not 0 <= n <= self._taken:
+            raise ValueError(f"cannot roll back {n} tokens: at most {self._taken} can be")
         self.matcher.rollback(n)
         self._taken -= n
 
