@@ -8,14 +8,10 @@
 
 #include "avx2.h"
 #include "common.h"
+#include "quant_tile.h"
 
 namespace radixlm {
 namespace {
-
-RADIXLM_AVX2 inline __m256 load8(const uint8_t* p, bool half) {
-  return half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
-              : _mm256_loadu_ps(reinterpret_cast<const float*>(p));
-}
 
 // Activation columns 2p and 2p + 1 in every 32-bit lane.
 RADIXLM_AVX2 inline __m256i pair(const int16_t* x, int p) {
@@ -62,28 +58,9 @@ RADIXLM_AVX2 void group_rows(const QuantizedActivations& x, const TiledMatrix& w
         }
       }
     }
-    __m256 scales[Halves];
-    for (int h = 0; h < Halves; ++h) scales[h] = load8(t + h * kTileRows * (w.half ? 2 : 4), w.half);
-    const __m256 zeros = w.zero ? load8(t + w.scale_bytes(), w.half) : _mm256_setzero_ps();
-    for (int i = 0; i < M; ++i) {
-      const __m256 d = _mm256_set1_ps(x.d[(m0 + i) * nb + b]);
-      for (int h = 0; h < Halves; ++h)
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[i][h]), _mm256_mul_ps(scales[h], d), acc[i]);
-      if (w.zero) zacc[i] = _mm256_fmadd_ps(zeros, _mm256_set1_ps(x.sum[(m0 + i) * nb + b]), zacc[i]);
-    }
+    scale_block<Halves, M>(x, w, t, m0, b, dots, acc, zacc);
   }
-  const int64_t first = g * kTileRows, valid = std::min<int64_t>(kTileRows, w.rows - first);
-  for (int i = 0; i < M; ++i) {
-    const __m256 out = w.zero ? _mm256_add_ps(acc[i], zacc[i]) : acc[i];
-    float* dst = y + (m0 + i) * w.rows + first;
-    if (valid == kTileRows) {
-      _mm256_storeu_ps(dst, out);
-    } else {
-      alignas(32) float part[kTileRows];
-      _mm256_store_ps(part, out);
-      for (int64_t r = 0; r < valid; ++r) dst[r] = part[r];
-    }
-  }
+  store_group<M>(w, g, m0, acc, zacc, y);
 }
 
 template <int Bits, int Group>

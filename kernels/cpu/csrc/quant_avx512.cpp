@@ -14,6 +14,7 @@
 
 #include "avx2.h"
 #include "common.h"
+#include "quant_tile.h"
 
 #define RADIXLM_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
@@ -65,11 +66,6 @@ RADIXLM_AVX512 void make_spread(const QuantizedActivations& x, int bits, Spread&
 
 RADIXLM_AVX512 inline __m512i spread_at(const int32_t* xs, int e) { return _mm512_loadu_si512(xs + 16 * e); }
 
-RADIXLM_AVX512 inline __m256 load8(const uint8_t* p, bool half) {
-  return half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
-              : _mm256_loadu_ps(reinterpret_cast<const float*>(p));
-}
-
 RADIXLM_AVX512 inline __m256i halves_added(__m512i v) {
   return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
 }
@@ -116,29 +112,9 @@ RADIXLM_AVX512 void group_rows(const QuantizedActivations& x, const Spread& spre
       for (int i = 0; i < M; ++i)
         for (int h = 0; h < Halves; ++h) dots[i][h] = halves_added(d512[i][h]);
     }
-    // from here on the AVX2 path's floating point, operation for operation
-    __m256 scales[Halves];
-    for (int h = 0; h < Halves; ++h) scales[h] = load8(t + h * kTileRows * (w.half ? 2 : 4), w.half);
-    const __m256 zeros = w.zero ? load8(t + w.scale_bytes(), w.half) : _mm256_setzero_ps();
-    for (int i = 0; i < M; ++i) {
-      const __m256 d = _mm256_set1_ps(x.d[(m0 + i) * nb + b]);
-      for (int h = 0; h < Halves; ++h)
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[i][h]), _mm256_mul_ps(scales[h], d), acc[i]);
-      if (w.zero) zacc[i] = _mm256_fmadd_ps(zeros, _mm256_set1_ps(x.sum[(m0 + i) * nb + b]), zacc[i]);
-    }
+    scale_block<Halves, M>(x, w, t, m0, b, dots, acc, zacc);
   }
-  const int64_t first = g * kTileRows, valid = std::min<int64_t>(kTileRows, w.rows - first);
-  for (int i = 0; i < M; ++i) {
-    const __m256 out = w.zero ? _mm256_add_ps(acc[i], zacc[i]) : acc[i];
-    float* dst = y + (m0 + i) * w.rows + first;
-    if (valid == kTileRows) {
-      _mm256_storeu_ps(dst, out);
-    } else {
-      alignas(32) float part[kTileRows];
-      _mm256_store_ps(part, out);
-      for (int64_t r = 0; r < valid; ++r) dst[r] = part[r];
-    }
-  }
+  store_group<M>(w, g, m0, acc, zacc, y);
 }
 
 template <int Bits, int Group>
