@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import mmap
 
-import numpy as np
 import torch
 
 
@@ -15,7 +15,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     back freed heap memory, which it must then clear, page by page.)"""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
