@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
+import uuid
 from typing import Any, Awaitable
 
 import orjson
@@ -20,6 +22,13 @@ class HTTPError(Exception):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
+
+
+def internal_error(e: BaseException, where: str) -> str:
+    """Log an unexpected exception with a fresh error id; the message that tells the client that id."""
+    error_id = uuid.uuid4().hex[:12]
+    logging.getLogger("radixlm.http").error("%s failed (error id %s)", where, error_id, exc_info=e)
+    return f"internal server error (error id {error_id})"
 
 
 # Largest request body accepted (bytes): a full context of text is far below this.

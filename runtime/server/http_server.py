@@ -18,7 +18,7 @@ from radixlm.runtime.messages import GenerateRequest
 from radixlm.runtime.native import GENERATE_BODY_SCHEMA, BadRequest, CumulativeStream, native_requests, native_result
 from radixlm.runtime.reasoning import reasoning_format, split_reasoning
 from radixlm.runtime.server.http_common import (
-    MAX_REQUEST_BYTES, Guard, HTTPError, error_response, json_body, run_until_done,
+    MAX_REQUEST_BYTES, Guard, HTTPError, error_response, internal_error, json_body, run_until_done,
 )
 from radixlm.runtime.server.openai_api import add_openai_routes
 from radixlm.runtime.server.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -60,9 +60,7 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> JSONResponse:
-        error_id = uuid.uuid4().hex[:12]
-        log.error("%s %s failed (error id %s)", request.method, request.url.path, error_id, exc_info=e)
-        return error_response(f"internal server error (error id {error_id})", 500)
+        return error_response(internal_error(e, f"{request.method} {request.url.path}"), 500)
 
     @app.get("/health")
     async def health() -> Response:

@@ -65,15 +65,20 @@ class ToolStream:
         if self.auto is not None:
             content = self.auto.feed(text)
             return [{"content": content}] if content else []
-        if self.named_call is None:  # the first delta names the function; the arguments follow in pieces
-            self.named_call = tool_calls.ToolCall(self.reader.function, text)
-            self.called = True
-            return [{"tool_calls": [self.named_call.openai(0)]}]
-        return [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}] if text else []
+        if not text:  # nothing of the arguments yet (the reasoning may still be streaming)
+            return []
+        if self.named_call is None:  # the first piece of the arguments opens the call, named
+            return self._open_named(text)
+        return [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}]
+
+    def _open_named(self, arguments: str) -> list[dict[str, Any]]:
+        self.named_call = tool_calls.ToolCall(self.reader.function, arguments)
+        self.called = True
+        return [{"tool_calls": [self.named_call.openai(0)]}]
 
     def finish(self) -> list[dict[str, Any]]:
-        if self.auto is None:
-            return self.feed("") if self.named_call is None else []
+        if self.auto is None:  # a forced call is answered even when no argument was written
+            return self._open_named("") if self.named_call is None else []
         content, calls = self.auto.finish()
         deltas = [{"content": content}] if content else []
         if calls:

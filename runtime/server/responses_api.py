@@ -14,7 +14,6 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from radixlm.runtime.client import RequestFailed
 from radixlm.runtime.messages import GenerateRequest
 from radixlm.runtime.native import native_requests, native_result
 from radixlm.runtime.reasoning import reasoning_format
@@ -41,7 +40,9 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         tools, reasoning = ToolReader.of(chat), ReasoningReader.of(chat, parser)
         shell = rp.response_shell(req, state.model_name)
         if req.stream:
-            return await sse_response(_stream(state, reqs, shell, ChoiceStream(tools, reasoning)))
+            events = rp.EventStream(shell)
+            return await sse_response(_stream(state, reqs, events, ChoiceStream(tools, reasoning)),
+                                      fail=lambda message, _status: events.fail(message))
         outs = await run_until_done(request, gather_outputs(state.client, reqs))
         try:
             answer = chat_response([native_result(o) for o in outs], state.model_name, "", False, 0,
@@ -56,24 +57,21 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
                         "responses (store=true is accepted, but nothing is kept)", 404)
 
 
-async def _stream(state: ServerState, reqs: list[GenerateRequest], shell: dict[str, Any],
+async def _stream(state: ServerState, reqs: list[GenerateRequest], events: rp.EventStream,
                   choice: ChoiceStream) -> AsyncIterator[bytes]:
     """The events of one response. The first is sent once the runtime has answered, so a request it
-    refuses gets a plain 4xx; a failure after that ends the stream with ``response.failed``."""
-    events = rp.EventStream(shell)
+    refuses gets a plain 4xx; a failure after that ends the stream with ``response.failed``
+    (sse_response, by ``events.fail``)."""
     started = False
-    try:
-        async for _, out in merge_streams(state.client, reqs):
-            if not started:
-                yield events.start()
-                started = True
-            result = native_result(out)
-            finish = openai_finish_reason(out.meta_info.get("finish_reason")) if out.finished else None
-            yield events.feed(choice.feed(result["text"], out.finished))
-            if out.finished:
-                usage = rp.usage(aggregate_usage([result], 1))
-                yield events.finish(finish, usage)
-    except (RequestFailed, HTTPError, RequestAborted) as e:
+    async for _, out in merge_streams(state.client, reqs):
         if not started:
-            raise HTTPError(f"the request was aborted: {e}", 500) if isinstance(e, RequestAborted) else e
-        yield events.fail(str(e))
+            yield events.start()
+            started = True
+        result = native_result(out)
+        try:
+            finish = openai_finish_reason(out.meta_info.get("finish_reason")) if out.finished else None
+        except RequestAborted as e:
+            raise HTTPError(f"the request was aborted: {e}", 500) from None
+        yield events.feed(choice.feed(result["text"], out.finished))
+        if out.finished:
+            yield events.finish(finish, rp.usage(aggregate_usage([result], 1)))

@@ -10,7 +10,7 @@ import asyncio
 import time
 from typing import Any, AsyncIterator
 
-from radixlm.runtime.client import RequestFailed, RuntimeClient
+from radixlm.runtime.client import RuntimeClient
 from radixlm.runtime.messages import ClientOutput, GenerateRequest
 from radixlm.runtime.server.metrics import Metrics
 
@@ -48,7 +48,7 @@ async def merge_streams(client: RuntimeClient, reqs: list[GenerateRequest]) -> A
         try:
             async for out in client.stream(req):
                 await queue.put((i, out))
-        except RequestFailed as e:
+        except Exception as e:  # a refusal, or a defect: either way the caller's stream ends with it
             await queue.put((i, e))
         finally:
             await queue.put((i, None))
@@ -60,7 +60,7 @@ async def merge_streams(client: RuntimeClient, reqs: list[GenerateRequest]) -> A
             i, item = await queue.get()
             if item is None:
                 remaining -= 1
-            elif isinstance(item, RequestFailed):
+            elif isinstance(item, Exception):
                 raise item
             else:
                 yield i, item
