@@ -74,6 +74,24 @@ def _kv_tier(args: ServerArgs, worker: ModelWorker) -> KVTier | None:
     return KVTier(store, worker.kv_pools, block)
 
 
+def _count_extended(b: ScheduledBatch) -> None:
+    """A step's tokens count as cached once it ran (plain) or was launched (overlapped)."""
+    for req, n in zip(b.reqs, b.extend_lens):
+        req.cached_len += n
+
+
+def _uncount_extended(b: ScheduledBatch) -> ScheduledBatch:
+    """Undo `_count_extended` for a launched step that raised, as if it had never run."""
+    for req, n in zip(b.reqs, b.extend_lens):
+        req.cached_len -= n
+    return b
+
+
+def _mixed(b: ScheduledBatch) -> bool:
+    """Prefill rows beside decodes: a fault there can be told apart by running the decodes alone."""
+    return bool(b.prefilling) and len(b.prefilling) < len(b.reqs)
+
+
 def _overlap(args: ServerArgs, worker: ModelWorker) -> bool:
     """Whether steps overlap (overlap.py): --overlap-schedule, auto on CUDA; never beside speculation,
     whose drafts need each step's tokens before the next step is built."""
@@ -242,13 +260,15 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.pending) + (self.chunked is not None)
 
     def step(self) -> list[TokenOutput]:
-        """Run one batch; returns the outputs of every request that advanced. With overlap, the
-        batch is launched and the outputs are those of the one launched before it."""
-        if self._steps is not None:
-            return self._step_overlapped()
-        started = time.perf_counter()  # (what a step costs, for speculation: choosing its drafts too)
+        """Run one batch; returns the outputs of every request that advanced. Two loops side by
+        side: the plain one, and the overlapped one (overlap.py), which launches the batch and
+        returns the outputs of the one launched before it."""
         if self.pending:
             self._promote_compiled()
+        return self._step_overlapped() if self._steps is not None else self._step_plain()
+
+    def _step_plain(self) -> list[TokenOutput]:
+        started = time.perf_counter()  # (what a step costs, for speculation: choosing its drafts too)
         batch = self._schedule()
         if batch is None:
             ended, self._ended = self._ended, []
@@ -299,13 +319,12 @@ class Scheduler:
             return self._batch_failed(batch, doing, isolate), False
         self.forward_passes += 1
         self.request_passes += len(batch.reqs)
+        _count_extended(batch)
         return self._process(batch, result), True
 
     def _batch_failed(self, batch: ScheduledBatch, doing: str, isolate: bool) -> list[TokenOutput]:
-        error_id = uuid.uuid4().hex[:12]
-        log.exception("%s failed on requests %s (error id %s)", doing, [r.rid for r in batch.reqs], error_id)
-        message = f"internal error while {doing} (error id {error_id})"
-        if isolate and batch.prefilling and len(batch.prefilling) < len(batch.reqs):
+        message = self._logged_failure(batch, doing)
+        if isolate and _mixed(batch):
             return self._isolate(batch, message)
         return self._fail(batch, batch.reqs, message)
 
@@ -316,8 +335,6 @@ class Scheduler:
         checks and outputs) while the new one runs."""
         started = time.perf_counter()
         outputs: list[TokenOutput] = []
-        if self.pending:
-            self._promote_compiled()
         previous, self._in_flight = self._in_flight, None
         if previous is not None and not may_overlap(previous.batch, self.running, self.kv):
             outputs += self._take_back(previous)
@@ -333,24 +350,40 @@ class Scheduler:
                     previous = None
                 outputs += self._batch_failed(batch, "building the batch", isolate=True)
             else:
-                worker_batch.future_ids = previous is not None
-                self.overlapped_steps += worker_batch.future_ids
-                for req, n in zip(batch.reqs, batch.extend_lens):
-                    req.cached_len += n
-                    req.in_flight += 1
-                launched = self._in_flight = InFlight(batch, self._steps.launch(worker_batch), started)
+                launched = self._in_flight = self._launch(batch, worker_batch, previous is not None, started)
         if previous is not None:
             outputs += self._take_back(previous)
         if launched is not None:
-            for row, req in enumerate(launched.batch.sampled):  # (one sample row each: no drafts here)
-                if req.finish is None:
-                    req.output_ids.append(future_id(row))
-                    req.awaiting = True
+            self._hold_placeholders(launched.batch)
             if all(r.finish is not None for r in launched.batch.reqs):  # all ended meanwhile: only their
                 self._in_flight = None                                   # pages to take back, now
                 outputs += self._take_back(launched)
         ended, self._ended = self._ended, []
         return outputs + ended
+
+    def _launch(self, batch: ScheduledBatch, worker_batch: WorkerBatch, overlapped: bool, started: float) -> InFlight:
+        """Start `batch` on the step thread; its lengths count from now (the next batch is built
+        on them), and its requests are held by one more launched step."""
+        worker_batch.future_ids = overlapped
+        self.overlapped_steps += overlapped
+        _count_extended(batch)
+        for req in batch.reqs:
+            req.in_flight += 1
+        return InFlight(batch, self._steps.launch(worker_batch), started)
+
+    def _hold_placeholders(self, b: ScheduledBatch) -> None:
+        """Each sampled request of a launched step holds a placeholder for the token to come
+        (one sample row each: no drafts beside overlap), so the next batch can be built on it."""
+        for row, req in enumerate(b.sampled):
+            if req.finish is None:
+                req.output_ids.append(future_id(row))
+                req.awaiting = True
+
+    def _drop_placeholders(self, b: ScheduledBatch) -> None:
+        for req in b.sampled:
+            if req.awaiting:
+                req.output_ids.pop()
+                req.awaiting = False
 
     def _take_back(self, step: InFlight) -> list[TokenOutput]:
         """Wait for a launched step and take its results, as `_run` does after a forward pass."""
@@ -365,32 +398,39 @@ class Scheduler:
         except DeviceLost:
             raise
         except Exception:  # noqa: BLE001 - the model raised on this batch: its requests fail
-            error_id = uuid.uuid4().hex[:12]
-            log.exception("running the model failed on requests %s (error id %s)", [r.rid for r in b.reqs], error_id)
-            failure = f"internal error while running the model (error id {error_id})"
+            failure = self._logged_failure(b, "running the model")
         for req in b.reqs:  # the step is over: only steps launched after it still hold its requests
             req.in_flight -= 1
-        if failure is not None:
-            outputs = self._fail_launched(b, failure)
-        else:
+        self._drop_placeholders(b)
+        if failure is None:
             produced = sum(1 for r in b.sampled if r.finish is None)
             self.forward_passes += 1
             self.request_passes += len(b.reqs)
-            outputs = self._process(b, result, launched=True)
+            outputs = self._process(b, result)
             self._record(b, produced, step.started)
-        if self._deferred:  # ended while a step held them: released once none does
-            held = [r for r in self._deferred if r.in_flight]
-            for req in self._deferred:
-                if not req.in_flight:
-                    if req.drop_kv:
-                        self.kv.truncate(req, req.prefix_len)
-                    self.kv.release(req)
-            self._deferred = held
+        elif _mixed(b) and self._in_flight is None:
+            outputs = self._isolate(_uncount_extended(b), failure)
+        else:
+            outputs = self._fail_launched(b, failure)
+        self._release_deferred()
         return outputs
 
+    def _release_deferred(self) -> None:
+        """Requests that ended while a launched step held them: their rows and pages are released
+        once no launched step does."""
+        held = [r for r in self._deferred if r.in_flight]
+        for req in self._deferred:
+            if not req.in_flight:
+                if req.drop_kv:
+                    self.kv.truncate(req, req.prefix_len)
+                self.kv.release(req)
+        self._deferred = held
+
     def _fail_launched(self, b: ScheduledBatch, message: str) -> list[TokenOutput]:
-        """A launched step raised: its requests end with a 500 and none of their own KV is kept
-        (what the step wrote, and what a step launched after it writes, is not to be trusted)."""
+        """A launched step raised, with no prefill beside its decodes to blame (or with a step
+        launched after it, which read its placeholders): its requests end with a 500 and none of
+        their own KV is kept (what the step wrote, and what a step launched after it writes, is
+        not to be trusted)."""
         outputs, self._ended = self._ended, []
         for req in b.reqs:
             if req.finish is None:
@@ -399,11 +439,21 @@ class Scheduler:
                 outputs.append(self._end(req, Finish(FinishKind.ABORT, message, status=500)))
         return outputs
 
+    # ---- fault isolation (both loops) ---------------------------------------------------------
+
+    def _logged_failure(self, b: ScheduledBatch, doing: str) -> str:
+        """Log the exception being handled under a fresh error id; the message the requests get."""
+        error_id = uuid.uuid4().hex[:12]
+        log.exception("%s failed on requests %s (error id %s)", doing, [r.rid for r in b.reqs], error_id)
+        return f"internal error while {doing} (error id {error_id})"
+
     def _isolate(self, b: ScheduledBatch, message: str) -> list[TokenOutput]:
-        """A mixed batch raised. Its decodes run again alone: if they pass, the fault was the
-        prefill rows' and they fail; if not, the decodes fail and the prefill rows step back to
-        the queue, to run without them. So a bad prompt fails only the requests it was prefilled
-        with, as it would in a prefill-only step, and never every running request."""
+        """A mixed batch raised (built, or run, plainly or launched: a launched one comes here
+        taken back, with nothing launched after it, since a step with prefill rows is never
+        overlapped). Its decodes run again alone: if they pass, the fault was the prefill rows'
+        and they fail; if not, the decodes fail and the prefill rows step back to the queue, to
+        run without them. So a bad prompt fails only the requests it was prefilled with, as it
+        would in a prefill-only step, and never every running request."""
         self._hand_back_slots(b)
         prefill = [r for r in b.reqs if b.is_prefill(r)]
         if self.chunked in prefill:
@@ -521,18 +571,15 @@ class Scheduler:
 
     # ---- processing results ------------------------------------------------------------------
 
-    def _process(self, b: ScheduledBatch, out: WorkerOutput, launched: bool = False) -> list[TokenOutput]:
-        """Take a step's results. `launched`: an overlapped step, whose lengths were counted when
-        it was launched, whose sampled requests hold a placeholder, and whose requests may have
-        ended since (their rows are dropped)."""
+    def _process(self, b: ScheduledBatch, out: WorkerOutput) -> list[TokenOutput]:
+        """Take a step's results, its lengths counted (`_count_extended`) and any placeholders
+        dropped. The rows of requests that ended while it ran (a launched step) are dropped."""
         if out.drafts:  # the draft model's tokens in place of the placeholders, in packed order
             made = iter(out.drafts)
             for req in b.sampled:
                 if req.drafts_pending:
                     req.draft = next(made)
-        for req, n in zip(b.reqs, b.extend_lens):
-            if not launched:
-                req.cached_len += n
+        for req in b.reqs:
             if b.is_prefill(req) and req.finish is None:
                 self.kv.share_prefill(req)
         self._store_prompt_logprobs(b, out)
@@ -542,9 +589,6 @@ class Scheduler:
             if req.finish is not None:  # ended while the step ran
                 row += count
                 continue
-            if req.awaiting:
-                req.output_ids.pop()
-                req.awaiting = False
             try:
                 if count == 1:
                     self._append_sampled(req, out, row)

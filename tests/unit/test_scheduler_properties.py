@@ -335,3 +335,52 @@ def test_an_overlapped_step_that_raises_fails_its_requests_alone(page_size, capl
     assert again == {rid + "-again": reference(p, 12, True) for rid, p in prompts.items()}
     assert not worker.broken
     sched.shutdown()
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_bad_prompt_beside_decodes_fails_alone_with_or_without_overlap(overlap, page_size, caplog):
+    """The model raises on every step holding a bad prompt. Admitted beside running decodes, the
+    mixed step fails; its decodes run again alone and pass, so the prompt alone gets the 500 and
+    its neighbours finish exactly. With overlap the mixed step was launched (on the placeholders
+    of the step before it) when it raised: it failed every request in it."""
+    worker = EchoWorker(64, page_size, 4)
+    sched = Scheduler(ServerArgs(max_running_requests=4, debug_accounting=True, overlap_schedule=overlap), worker)
+    real, mixed = worker.forward, []
+    bad_token = 15
+
+    def faulty(b):
+        if bad_token in b.input_ids.tolist():
+            mixed.append(b.num_decode)
+            raise RuntimeError("injected")
+        return real(b)
+
+    worker.forward = faulty
+    prompts = {"r0": [3, 4, 5, 6], "r1": [7, 8, 9]}
+    for rid, prompt in prompts.items():
+        sched.add_request(TokenizedRequest(rid, prompt, SamplingParams(max_new_tokens=12, ignore_eos=True,
+                                                                       temperature=0)))
+    tokens = {rid: [] for rid in [*prompts, "bad"]}
+    finishes = {rid: [] for rid in tokens}
+    step = 0
+    while sched.has_work:
+        if step == 3:  # both decoding by now (one step in flight with overlap)
+            sched.add_request(TokenizedRequest("bad", [11, bad_token, 12], SamplingParams(
+                max_new_tokens=8, ignore_eos=True, temperature=0)))
+        for out in sched.step():
+            tokens[out.rid] += out.new_token_ids
+            if out.finish_reason:
+                finishes[out.rid].append(out.finish_reason)
+        step += 1
+    assert mixed and mixed[0] == 2, "the bad prompt was admitted beside both decodes"
+    [failed] = finishes["bad"]
+    assert failed["status"] == 500 and "running the model" in failed["message"], failed
+    assert failed["message"].split("error id ")[1].rstrip(")") in caplog.text
+    for rid, prompt in prompts.items():
+        assert [f["type"] for f in finishes[rid]] == ["length"], (rid, finishes[rid])
+        assert tokens[rid] == reference(prompt, 12, True), rid
+    sched.check_accounting()
+    assert sched.kv.cache.locked_pages == 0
+    assert sched.kv.allocator.num_free_pages + sched.kv.cache.evictable_pages == sched.kv.num_pages
+    assert not worker.broken
+    sched.shutdown()
