@@ -55,14 +55,15 @@ def apply_bitmask(logits: torch.Tensor, mask: torch.Tensor) -> None:
     (outlines-core's own kernel is torch.compile'd: its first call costs ~15 s on a CPU.)"""
     mask = mask.to(logits.device, non_blocking=True)
     # [B, W, 32]: bit j of word w is token 32w + j
-    bits = (mask.unsqueeze(-1) >> _bit_positions().to(logits.device)) & 1
+    bits = (mask.unsqueeze(-1) >> _bit_positions(logits.device)) & 1
     allowed = bits.view(mask.shape[0], -1)[:, : logits.shape[-1]].bool()
     logits.masked_fill_(~allowed, float("-inf"))
 
 
 @cache
-def _bit_positions() -> torch.Tensor:
-    """0..31 as int32, the shifts that take a word apart into its bits."""
+def _bit_positions(device: torch.device) -> torch.Tensor:
+    """0..31 as int32 on `device`, the shifts that take a word apart into its bits (made there
+    once: no copy a step)."""
     import torch
 
-    return torch.arange(32, dtype=torch.int32)
+    return torch.arange(32, dtype=torch.int32, device=device)

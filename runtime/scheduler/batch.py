@@ -20,6 +20,7 @@ from radixlm.runtime.token_mask import allocate_mask
 from radixlm.runtime.scheduler.req import Req
 from radixlm.runtime.worker.forward_batch import ForwardMode, WorkerBatch
 from radixlm.runtime.worker.sampler import PenaltyCounts, SamplingBatch
+from radixlm.runtime.worker.staging import stage, to_device
 
 
 @dataclass
@@ -107,8 +108,8 @@ class PenaltyTracker:
                 tokens.extend(out[r.penalty_counted:])
             r.penalty_counted = len(out)
         if rows:
-            self._counts.add(torch.tensor(rows, device=self.device), torch.tensor(tokens, device=self.device))
-        return self._counts.gather(torch.tensor([r.row for r in reqs], device=self.device))
+            self._counts.add(*stage([np.asarray(rows, np.int64), np.asarray(tokens, np.int64)], self.device))
+        return self._counts.gather(to_device([r.row for r in reqs], torch.int64, self.device))
 
 
 def sampling_batch(reqs: list[Req], eos_ids: list[int], vocab_size: int, device: torch.device,
@@ -126,8 +127,8 @@ def sampling_batch(reqs: list[Req], eos_ids: list[int], vocab_size: int, device:
     counts = penalties.counts_for(rows) if penalties is not None else None  # (no verify row has penalties)
     batch = SamplingBatch.build([r.params for r in rows], [r.prompt_ids for r in rows], [r.output_ids for r in rows],
                                 eos_ids, vocab_size, device, counts, output_lens=lens)
-    batch.grammar_mask = (_draft_masks(reqs, sample_counts, vocab_size) if verifies
-                          else grammar_bitmask([r.guide for r in reqs], vocab_size))
+    mask = _draft_masks(reqs, sample_counts, vocab_size) if verifies else grammar_bitmask([r.guide for r in reqs], vocab_size)
+    batch.grammar_mask = None if mask is None else to_device(mask, torch.int32, device)
     return batch
 
 
@@ -150,16 +151,6 @@ def _draft_masks(reqs: list[Req], sample_counts: list[int], vocab_size: int) -> 
                 req.guide.advance(req.draft[j])
         req.guide.rollback(c - 1)
     return mask
-
-
-def stage(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """Host int64 arrays as device tensors in one copy: concatenated on the host (pinned on
-    CUDA, so the copy does not wait for the device), sent, and split into views."""
-    sizes = [len(a) for a in arrays]
-    host = torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False))
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return list(host.to(device, non_blocking=True).split(sizes))
 
 
 def to_worker_batch(b: ScheduledBatch, kv: KVManager, device: torch.device) -> WorkerBatch:
@@ -198,8 +189,7 @@ def to_worker_batch(b: ScheduledBatch, kv: KVManager, device: torch.device) -> W
         wb.prompt_rows, wb.prompt_targets = _prompt_logprob_inputs(b, device)
     if drafted:
         rows_, starts_, wb.draft_lens = (list(t) for t in zip(*drafted))
-        wb.draft_rows = torch.tensor(rows_, dtype=torch.int64, device=device)
-        wb.draft_starts = torch.tensor(starts_, dtype=torch.int64, device=device)
+        wb.draft_rows, wb.draft_starts = stage([np.asarray(rows_, np.int64), np.asarray(starts_, np.int64)], device)
     return wb
 
 
@@ -228,5 +218,5 @@ def _prompt_logprob_inputs(b: ScheduledBatch, device: torch.device) -> tuple[tor
         base = offset_of[id(req)]
         rows.extend(range(base + first, base + first + count))
         targets.extend(req.prompt_ids[first + 1 : first + 1 + count])
-    return (torch.tensor(rows, dtype=torch.int64, device=device),
-            torch.tensor(targets, dtype=torch.int64, device=device))
+    rows_t, targets_t = stage([np.asarray(rows, np.int64), np.asarray(targets, np.int64)], device)
+    return rows_t, targets_t

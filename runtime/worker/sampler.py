@@ -24,6 +24,7 @@ import torch
 
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.token_mask import apply_bitmask
+from radixlm.runtime.worker.staging import to_device
 
 # Below this the softmax of logits / T overflows float32; T -> 0 is argmax anyway.
 _MIN_TEMPERATURE = 1e-5
@@ -115,10 +116,10 @@ class SamplingBatch:
         seeded_rows, step_seeds = _seed_tensors(params, greedy, output_lens, device)
         return cls(
             temperatures=_column([1.0 if g else p.temperature for p, g in zip(params, greedy)], device),
-            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_ks=torch.tensor([_top_k_or_all(p, vocab_size) for p in params], device=device),
-            min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            top_ps=to_device([p.top_p for p in params], torch.float32, device),
+            top_ks=to_device([_top_k_or_all(p, vocab_size) for p in params], torch.int64, device),
+            min_ps=to_device([p.min_p for p in params], torch.float32, device),
+            greedy=to_device(greedy, torch.bool, device),
             all_greedy=all(greedy),
             any_greedy=any(greedy),
             need_top_p=any(p.top_p < 1 for p in sampled),
@@ -329,7 +330,7 @@ def _with_logprobs(
 
 
 def _column(values: list[float], device: torch.device | str) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+    return to_device(values, torch.float32, device)[:, None]
 
 
 def _top_k_or_all(p: SamplingParams, vocab_size: int) -> int:
@@ -346,11 +347,11 @@ def _seed_tensors(
     rows = [i for i, (p, g) in enumerate(zip(params, greedy)) if p.seed is not None and not g]
     if not rows:
         return None, None
-    seeds = torch.tensor([_int64(params[i].seed) for i in rows], dtype=torch.int64, device=device)
-    steps = torch.tensor([output_lens[i] for i in rows], dtype=torch.int64, device=device)
+    seeds = to_device([_int64(params[i].seed) for i in rows], torch.int64, device)
+    steps = to_device([output_lens[i] for i in rows], torch.int64, device)
     # Output 0 of the stream keyed by (the seed's output 0) + step: (seed, step) pairs do not alias.
     step_seeds = mix64(mix64(seeds + _GAMMA) + steps + _GAMMA)
-    return torch.tensor(rows, dtype=torch.int64, device=device), step_seeds
+    return to_device(rows, torch.int64, device), step_seeds
 
 
 class PenaltyCounts:
@@ -374,7 +375,7 @@ class PenaltyCounts:
 
     def add(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Count ``token_ids[i]`` as emitted by ``rows[i]``; a row may repeat (several tokens a step)."""
-        self.seen.index_put_((rows, token_ids), torch.tensor(True, device=self.seen.device))
+        self.seen.index_put_((rows, token_ids), torch.ones((), dtype=torch.bool, device=self.seen.device))
         ones = torch.ones(token_ids.shape, dtype=torch.float32, device=self.output.device)
         self.output.index_put_((rows, token_ids), ones, accumulate=True)
 
@@ -399,8 +400,8 @@ def _flat_token_index(
     # NOTE: an id >= vocab_size would silently count in the next row; checked here, on the host.
     low, high = torch.aminmax(tokens)
     assert 0 <= int(low) and int(high) < vocab_size, f"token ids outside [0, {vocab_size})"
-    tokens = tokens.to(device)
-    lengths = torch.tensor([sum(len(ids) for ids in row) for row in rows], device=device)
+    tokens = to_device(tokens, torch.int64, device)
+    lengths = to_device([sum(len(ids) for ids in row) for row in rows], torch.int64, device)
     offsets = torch.arange(len(rows), device=device) * vocab_size
     return torch.repeat_interleave(offsets, lengths, output_size=len(tokens)) + tokens
 
@@ -476,8 +477,8 @@ def _logit_bias_tensor(
             cols.append(token_id)
             values.append(bias)
     bias = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
-    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
-    return bias.index_put_(index, torch.tensor(values, dtype=torch.float32, device=device))
+    index = (to_device(rows, torch.int64, device), to_device(cols, torch.int64, device))
+    return bias.index_put_(index, to_device(values, torch.float32, device))
 
 
 def _min_tokens_block(
@@ -498,4 +499,4 @@ def _min_tokens_block(
             cols.extend(blocked)
     if not rows:
         return None
-    return torch.tensor(rows, device=device), torch.tensor(cols, device=device)
+    return to_device(rows, torch.int64, device), to_device(cols, torch.int64, device)

@@ -384,3 +384,67 @@ def test_a_bad_prompt_beside_decodes_fails_alone_with_or_without_overlap(overlap
     assert sched.kv.allocator.num_free_pages + sched.kv.cache.evictable_pages == sched.kv.num_pages
     assert not worker.broken
     sched.shutdown()
+
+
+def test_building_a_batch_makes_no_copy_that_waits_for_the_device(monkeypatch):
+    """Overlap builds a batch while the step before it runs, so building must not synchronize the
+    device. On CUDA a tensor made from host values straight on the device (``torch.tensor(...,
+    device=...)``) or a blocking ``.to(device)`` copies from pageable memory and waits for the
+    running step; every such copy goes through runtime/worker/staging.py (pinned, non-blocking).
+    Here, on a CPU, every way of making that copy is watched while batches with every sampling
+    feature (penalties, bias, seeds, min tokens, top-k/p, min-p, prompt logprobs) are built."""
+    calls: list[str] = []
+    real_tensor, real_as_tensor, real_to = torch.tensor, torch.as_tensor, torch.Tensor.to
+
+    def watched_tensor(*args, **kwargs):
+        if kwargs.get("device") is not None:
+            calls.append(f"torch.tensor(..., device={kwargs['device']})")
+        return real_tensor(*args, **kwargs)
+
+    def watched_as_tensor(*args, **kwargs):
+        if kwargs.get("device") is not None:
+            calls.append(f"torch.as_tensor(..., device={kwargs['device']})")
+        return real_as_tensor(*args, **kwargs)
+
+    def watched_to(self, *args, **kwargs):
+        target = kwargs.get("device", args[0] if args and not isinstance(args[0], torch.dtype) else None)
+        if target is not None and not isinstance(target, torch.Tensor) and not kwargs.get("non_blocking"):
+            calls.append(f"Tensor.to({target}) blocking")
+        return real_to(self, *args, **kwargs)
+
+    class LogprobWorker(EchoWorker):  # logprobs of the right shapes, for the requests that ask
+        def forward(self, b):
+            out = super().forward(b)
+            n, rows = len(out.next_token_ids), len(b.prompt_rows) if b.prompt_rows is not None else 0
+            return WorkerOutput(out.next_token_ids, [0.0] * n, [[0.0, 0.0]] * n, [[1, 2]] * n,
+                                [0.0] * rows, [[0.0, 0.0]] * rows, [[1, 2]] * rows)
+
+    sched = Scheduler(ServerArgs(max_running_requests=4, debug_accounting=True), LogprobWorker(64, 4, 4))
+    real_build, built = sched._build, []
+
+    def build(batch):
+        with monkeypatch.context() as m:
+            m.setattr(torch, "tensor", watched_tensor)
+            m.setattr(torch, "as_tensor", watched_as_tensor)
+            m.setattr(torch.Tensor, "to", watched_to)
+            wb = real_build(batch)
+        built.append(batch.sampling)
+        return wb
+
+    sched._build = build
+    features = [dict(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=3),
+                dict(temperature=0.8, frequency_penalty=0.5, presence_penalty=0.2, repetition_penalty=1.2),
+                dict(temperature=0, logit_bias={3: 1.0, 7: -2.0}, min_new_tokens=4),
+                dict(temperature=0)]
+    for i, f in enumerate(features):
+        sched.add_request(TokenizedRequest(f"r{i}", [3 + i, 4, 5, 6, 7], SamplingParams(max_new_tokens=6, **f),
+                                           return_logprob=True, logprob_start_len=1 if i == 3 else -1,
+                                           top_logprobs_num=2))
+    finishes = {}
+    while sched.has_work:
+        finishes.update((o.rid, o.finish_reason["type"]) for o in sched.step() if o.finish_reason)
+    assert finishes == {f"r{i}": "length" for i in range(4)}, finishes
+    assert built and not calls, calls
+    last = built[0]  # every feature was in the batches watched
+    assert all(t is not None for t in (last.seeded_rows, last.logit_bias, last.min_tokens_block,
+                                       last.repetition_penalties, last.frequency_penalties)), last
