@@ -15,10 +15,15 @@ length and two digests (header and payload); a write goes to a temporary name an
 into place, so a crash mid-write leaves no file under a real name, and a file damaged any other
 way fails its digest when read: it is deleted and counted, never read as KV.
 
-Writes run on a background thread (`put` only queues a copy of the block); a queued block can
-be read before it reaches the disk. The folder is kept under `capacity` bytes, least recently
-used blocks deleted first. `check` asserts the tier's own accounting: bytes on disk, blocks,
-in-flight writes.
+Writes run on a background thread (`put` only queues a host copy of the block, made without
+waiting for the device: `host_copy`); a queued block can be read before it reaches the disk.
+What is queued is bounded (`max_queued_bytes`): when evictions outpace the disk, blocks beyond it
+are not saved (counted, `writes_dropped`, and logged once), so host memory does not grow. A
+failed write is counted (`writes_failed`) and logged, its traceback once. The folder is kept
+under `capacity` bytes, least recently used blocks deleted first. A folder whose only blocks
+were written under other identities (another model, precision, page or block size) says so at
+start, in the log and in `info()`: a restart that changed any of those starts cold. `check`
+asserts the tier's own accounting: bytes on disk, blocks, in-flight writes.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import struct
 import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -40,6 +45,8 @@ from radixlm.runtime.cache.kv_pool import KVPool
 log = logging.getLogger(__name__)
 
 BLOCK_TOKENS = 64  # tokens per block (rounded up to a multiple of the page size)
+MAX_QUEUED_BYTES = 256 << 20  # blocks waiting for the disk, at most (host memory)
+_IDENTITY_FILE = "identity.txt"  # in each identity's folder: what it was written under, for people
 _MAGIC = b"RLMKV\x00\x01\x00"
 _HEADER = struct.Struct("<8s16s32sQ16s")  # magic, identity, key, payload bytes, payload digest
 _HEADER_DIGEST = 16
@@ -71,25 +78,50 @@ class TierStats:
     bytes_written: int = 0
     blocks_dropped: int = 0  # deleted to stay under capacity
     writes_failed: int = 0
+    writes_dropped: int = 0  # not saved: the write queue was full (evictions outpaced the disk)
     corrupt_skipped: int = 0  # files that failed their checks when read: deleted, never used
+
+
+def host_copy(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """(a host copy of `t`, what to wait on before reading it, or None). From a GPU the copy goes
+    to pinned memory without waiting for the device (a step may be running); the event marks
+    when it has landed."""
+    if t.device.type == "cpu":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+    host.copy_(t, non_blocking=True)
+    if t.device.type != "cuda":
+        return host, None
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 class FileTier:
     """Blocks of KV bytes in a folder, by key; LRU under `capacity` bytes; written in the background."""
 
-    def __init__(self, root: str, identity: str, capacity: int) -> None:
+    def __init__(self, root: str, identity: str, capacity: int, max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
         self.identity = _digest(identity.encode())
         self.folder = os.path.join(root, self.identity.hex())
         self.capacity = capacity
+        self.max_queued_bytes = max_queued_bytes
         self.stats = TierStats()
         self._lock = threading.Lock()  # guards _index, _pending and the byte counts
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, least recently used first
         self._bytes = 0
-        self._pending: dict[bytes, torch.Tensor] = {}  # queued, not yet on disk
+        self._pending: dict[bytes, tuple[torch.Tensor, Any]] = {}  # queued, not yet on disk: (payload, ready)
         self._pending_bytes = 0
+        self._warned: set[str] = set()  # what was logged once
         os.makedirs(self.folder, exist_ok=True)
+        with open(os.path.join(self.folder, _IDENTITY_FILE), "w") as f:
+            f.write(identity + "\n")
         self._scan()
-        self._queue: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue()
+        self.other_identities = self._others(root)  # identity text -> blocks, of the folder's other identities
+        if self.other_identities and not self._index:
+            log.warning("KV tier: %s holds %d blocks, all written under other configurations (%s); none can be "
+                        "read by this one (%s): this start is cold", root, sum(self.other_identities.values()),
+                        "; ".join(sorted(self.other_identities)[:3]), identity)
+        self._queue: queue.Queue[tuple[bytes, torch.Tensor, Any] | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="radixlm-kv-tier", daemon=True)
         self._writer.start()
 
@@ -99,15 +131,26 @@ class FileTier:
         with self._lock:
             return key in self._index or key in self._pending
 
-    def put(self, key: bytes, payload: torch.Tensor) -> None:
-        """Queue a block for writing; `payload` must be the caller's own copy (it is kept)."""
+    def put(self, key: bytes, payload: torch.Tensor, ready: Any = None) -> None:
+        """Queue a block for writing; `payload` must be the caller's own host copy (it is kept),
+        readable once `ready` (an event, or None: now) has been waited on (`host_copy`)."""
+        assert payload.device.type == "cpu", payload.device
         size = HEADER_BYTES + payload.numel() * payload.element_size()
         with self._lock:
             if key in self._index or key in self._pending or size > self.capacity:
                 return
-            self._pending[key] = payload
-            self._pending_bytes += size
-        self._queue.put((key, payload))
+            if self._pending_bytes + size > self.max_queued_bytes:
+                self.stats.writes_dropped += 1
+                full = True
+            else:
+                full = False
+                self._pending[key] = (payload, ready)
+                self._pending_bytes += size
+        if full:
+            self._warn_once("full", "KV tier: the write queue is full (%d bytes): evictions outpace the disk, so "
+                            "blocks are left unsaved (counted in writes_dropped)", self.max_queued_bytes)
+            return
+        self._queue.put((key, payload, ready))
 
     def read_leading(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
         """The blocks of the longest head of `keys` the tier has, in order (reading stops at the
@@ -125,7 +168,7 @@ class FileTier:
         with self._lock:
             pending = self._pending.get(key)
             if pending is not None:
-                return pending.view(-1).view(torch.uint8)
+                return _landed(*pending).view(-1).view(torch.uint8)
             if key not in self._index:
                 return None
             self._index.move_to_end(key)
@@ -163,7 +206,8 @@ class FileTier:
         with self._lock:
             assert self._bytes == sum(self._index.values()), (self._bytes, sum(self._index.values()))
             assert self._bytes <= self.capacity, (self._bytes, self.capacity)
-            pending = sum(HEADER_BYTES + t.numel() * t.element_size() for t in self._pending.values())
+            pending = sum(HEADER_BYTES + t.numel() * t.element_size() for t, _ in self._pending.values())
+            assert self._pending_bytes <= self.max_queued_bytes, (self._pending_bytes, self.max_queued_bytes)
             assert self._pending_bytes == pending, (self._pending_bytes, pending)
             assert not set(self._pending) & set(self._index), "a block both queued and on disk"
 
@@ -171,6 +215,8 @@ class FileTier:
         """Tests: the files on disk are exactly the index's, with its sizes (call after `drain`)."""
         on_disk = {}
         for sub in os.listdir(self.folder):
+            if not os.path.isdir(os.path.join(self.folder, sub)):
+                continue
             for name in os.listdir(os.path.join(self.folder, sub)):
                 on_disk[bytes.fromhex(name.removesuffix(".kv"))] = os.path.getsize(os.path.join(self.folder, sub, name))
         with self._lock:
@@ -179,7 +225,8 @@ class FileTier:
     def info(self) -> dict:
         with self._lock:
             sizes = {"blocks": len(self._index), "bytes": self._bytes, "capacity": self.capacity,
-                     "writes_in_flight": len(self._pending)}
+                     "writes_in_flight": len(self._pending), "queued_bytes": self._pending_bytes,
+                     "other_identity_blocks": sum(self.other_identities.values())}
         return {**sizes, **asdict(self.stats)}
 
     # ---- files -------------------------------------------------------------------------------
@@ -217,20 +264,24 @@ class FileTier:
             if item is None:
                 self._queue.task_done()
                 return
-            key, payload = item
+            key, payload, ready = item
             size = HEADER_BYTES + payload.numel() * payload.element_size()
             try:
                 with self._lock:  # room first: the folder never holds more than capacity
                     self._make_room(size)
-                self._write_file(key, memoryview(payload.view(-1).view(torch.uint8).numpy()))
+                self._write_file(key, memoryview(_landed(payload, ready).view(-1).view(torch.uint8).numpy()))
                 with self._lock:
                     self._index[key] = size
                     self._bytes += size
                 self.stats.blocks_written += 1
                 self.stats.bytes_written += size
-            except Exception:  # noqa: BLE001 - a failed write loses a block, never the server
+            except Exception as e:  # noqa: BLE001 - a failed write loses a block, never the server
                 self.stats.writes_failed += 1
-                log.exception("KV tier: writing a block failed")
+                if "write" in self._warned:
+                    log.warning("KV tier: writing a block failed again (%d so far): %s", self.stats.writes_failed, e)
+                else:
+                    self._warned.add("write")
+                    log.exception("KV tier: writing a block failed (counted in writes_failed)")
                 for path in (self._path(key), self._tmp_path(key)):  # whatever it left (a crash leaves it to _scan)
                     _remove(path)
             finally:
@@ -238,6 +289,29 @@ class FileTier:
                     del self._pending[key]
                     self._pending_bytes -= size
                 self._queue.task_done()
+
+    def _warn_once(self, what: str, message: str, *args: Any) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(message, *args)
+
+    def _others(self, root: str) -> dict[str, int]:
+        """Blocks in `root` under identities other than this one's, by their identity's text."""
+        others = {}
+        for name in os.listdir(root):
+            folder = os.path.join(root, name)
+            if folder == self.folder or not os.path.isdir(folder):
+                continue
+            blocks = sum(len(os.listdir(os.path.join(folder, sub))) for sub in os.listdir(folder)
+                         if os.path.isdir(os.path.join(folder, sub)))
+            if blocks:
+                try:
+                    with open(os.path.join(folder, _IDENTITY_FILE)) as f:
+                        text = f.read().strip()
+                except OSError:
+                    text = f"unknown ({name})"
+                others[text] = others.get(text, 0) + blocks
+        return others
 
     def _make_room(self, size: int) -> None:
         """Delete least recently used blocks until `size` more bytes fit (lock held)."""
@@ -280,6 +354,13 @@ class FileTier:
             self._make_room(0)
 
 
+def _landed(payload: torch.Tensor, ready: Any) -> torch.Tensor:
+    """`payload` once its copy from the device has landed."""
+    if ready is not None:
+        ready.synchronize()
+    return payload
+
+
 def _remove(path: str) -> None:
     try:
         os.remove(path)
@@ -305,7 +386,7 @@ class KVTier:
             end = (i + 1) * B
             if end > start and not self.store.contains(key):
                 block = slots[end - B : end]
-                self.store.put(key, torch.cat([pool.gather(block).reshape(-1) for pool in self.pools]))
+                self.store.put(key, *host_copy(torch.cat([pool.gather(block).reshape(-1) for pool in self.pools])))
 
     def load(self, tokens: Sequence[int], cached: int) -> list[torch.Tensor]:
         """The blocks that continue `tokens[:cached]` (the first may begin before `cached`), as

@@ -22,6 +22,10 @@ _TIER_GAUGES = {  # --kv-tier-path: kv_tier.FileTier.info()'s fields
     "bytes_read": "Bytes read from the KV tier, since start", "bytes_written": "Bytes written to the KV tier, since start",
     "load_seconds": "Seconds spent reading KV from the tier into the pool, since start",
     "corrupt_skipped": "Tier files that failed their checks when read (deleted, never used), since start",
+    "writes_failed": "Blocks whose write to the KV tier failed, since start",
+    "writes_dropped": "Blocks not saved to the KV tier because its write queue was full, since start",
+    "queued_bytes": "Bytes of blocks waiting to be written to the KV tier",
+    "other_identity_blocks": "Blocks in the KV tier's folder written under other configurations (never read here)",
 }
 
 

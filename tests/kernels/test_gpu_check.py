@@ -15,11 +15,12 @@ def test_gpu_check_dry_run_prints_every_table():
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
     for title in ("## Correctness", "## Decode attention", "## Extend attention", "## End to end",
-                  "## Decode tokens/s by batch", "## radixlm bench serve"):
+                  "## Decode tokens/s by batch", "## KV tier round trip", "## radixlm bench serve"):
         assert title in out
     # every batch of the decode matrix has its four configurations, each a rate and a ratio
     matrix = re.findall(r"^\| (\d+) \| (\d+ \([0-9.]+x\) \| ){3}\d+ \([0-9.]+x\) \|$", out, re.M)
     assert [b for b, _ in matrix] == ["3"], out
+    assert re.search(r"^\| cpu pool \| (\d+) \| 0 \| (\d+) \| 4/4 \|$", out, re.M), out
     assert re.search(r"^\| 3 x \(16 prompt \+ 4 new\), all at once \| \d+ \|", out, re.M), out
     errors = [float(x) for x in re.findall(r"^\| (?:extend|decode) \|.*\| ([0-9.e+-]+) \|$", out, re.M)]
     assert len(errors) == 2 and max(errors) < 1e-5, out

@@ -11,6 +11,7 @@ restarts drawn among them.
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -107,6 +108,71 @@ def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
     tier.check()
     assert not os.path.exists(tier._path(b"a" * 32)) and not os.path.exists(tier._tmp_path(b"a" * 32))
     tier.close()
+
+
+def test_failed_writes_are_counted_logged_once_and_on_metrics(tmp_path, monkeypatch, caplog):
+    """A failing disk is visible: every failure counted (and exported), the first logged with its
+    traceback, the later ones a line each (it was a traceback each, and not on /metrics)."""
+    from radixlm.runtime.server.metrics import Metrics
+
+    tier = FileTier(str(tmp_path), "m", 1 << 20)
+    monkeypatch.setattr(FileTier, "_write_file", lambda self, key, payload: (_ for _ in ()).throw(OSError("disk full")))
+    for i in range(3):
+        tier.put(bytes([i]) * 32, _payload(i))
+    tier.drain()
+    failed = [r for r in caplog.records if "writing a block failed" in r.getMessage()]
+    assert [bool(r.exc_info) for r in failed] == [True, False, False]
+    assert tier.info()["writes_failed"] == 3
+    scraped = Metrics().render({"kv_tier": tier.info()}).decode()
+    assert "radixlm_kv_tier_writes_failed 3.0" in scraped and "radixlm_kv_tier_writes_dropped 0.0" in scraped
+    tier.close()
+
+
+def test_the_write_queue_is_bounded_and_drops_with_a_count(tmp_path, monkeypatch, caplog):
+    """Evictions faster than the disk: blocks queue up to max_queued_bytes, the rest are not saved
+    (counted, one warning); host memory does not grow without bound."""
+    size = HEADER_BYTES + 256 * 4
+    gate, real = threading.Event(), FileTier._write_file
+
+    def slow(self, key, payload):
+        gate.wait(timeout=30)
+        real(self, key, payload)
+
+    monkeypatch.setattr(FileTier, "_write_file", slow)
+    tier = FileTier(str(tmp_path), "m", 1 << 20, max_queued_bytes=2 * size)
+    for i in range(5):
+        tier.put(bytes([i]) * 32, _payload(i))
+        tier.check()
+    info = tier.info()
+    assert info["writes_in_flight"] == 2 and info["queued_bytes"] == 2 * size and info["writes_dropped"] == 3
+    assert sum("write queue is full" in r.getMessage() for r in caplog.records) == 1
+    gate.set()
+    tier.drain()
+    assert tier.stats.blocks_written == 2 and [tier.contains(bytes([i]) * 32) for i in range(5)] == [True, True] + [False] * 3
+    tier.check()
+    tier.check_files()
+    tier.close()
+
+
+def test_a_folder_of_other_configurations_blocks_says_so_at_start(tmp_path, caplog):
+    """After a restart that changed the model, its precision, page or block size, the tier starts
+    cold: it says so (the log, and info() for /get_server_info and /metrics) instead of silently
+    reading cached_tokens 0."""
+    a = FileTier(str(tmp_path), "model A;precision=int4", 1 << 20)
+    a.put(b"k" * 32, _payload(1))
+    a.close()
+    b = FileTier(str(tmp_path), "model A;precision=none", 1 << 20)
+    [warning] = [r.getMessage() for r in caplog.records if "other configurations" in r.getMessage()]
+    assert "1 blocks" in warning and "model A;precision=int4" in warning and "model A;precision=none" in warning
+    assert b.info()["other_identity_blocks"] == 1 and b.info()["blocks"] == 0
+    b.put(b"j" * 32, _payload(2))
+    b.close()
+    caplog.clear()
+    again = FileTier(str(tmp_path), "model A;precision=none", 1 << 20)  # it has blocks of its own now: no warning
+    assert not [r for r in caplog.records if "other configurations" in r.getMessage()]
+    assert again.info()["other_identity_blocks"] == 1 and again.info()["blocks"] == 1
+    again.check_files()
+    again.close()
 
 
 def test_a_crash_mid_write_leaves_nothing_readable(tmp_path):
