@@ -78,6 +78,7 @@ class TierStats:
     bytes_written: int = 0
     blocks_dropped: int = 0  # deleted to stay under capacity
     writes_failed: int = 0
+    read_failures: int = 0  # reads that raised (treated as misses)
     writes_dropped: int = 0  # not saved: the write queue was full (evictions outpaced the disk)
     corrupt_skipped: int = 0  # files that failed their checks when read: deleted, never used
 
@@ -366,6 +367,8 @@ def _remove(path: str) -> None:
         os.remove(path)
     except FileNotFoundError:
         pass
+    except OSError as e:  # a folder we may not write: the file stays (it is never read as KV)
+        log.warning("KV tier: could not delete %s: %s", path, e)
 
 
 class KVTier:

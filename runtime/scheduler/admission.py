@@ -48,6 +48,7 @@ class Admitted:
     lens: list[int] = field(default_factory=list)
     chunked: Req | None = None  # the row that brought only part of its prompt
     oversized: list[Req] = field(default_factory=list)  # could never fit, even alone: they end here
+    faulted: list[tuple[Req, Exception]] = field(default_factory=list)  # our code raised on them: they alone fail
 
 
 def step_budget(args: ServerArgs, kv: KVManager, running: list[Req], chunked: Req | None, ratio: float) -> Budget:
@@ -102,8 +103,15 @@ def admit(args: ServerArgs, kv: KVManager, waiting: list[Req], running: list[Req
 
     def match(req: Req) -> tuple[int, object]:
         if id(req) not in matches:
-            matches[id(req)] = kv.match_len(req)
+            try:
+                matches[id(req)] = kv.match_len(req)
+            except Exception as e:  # noqa: BLE001 - this request's fault: it alone fails
+                out.faulted.append((req, e))
+                matches[id(req)] = (0, None)
         return matches[id(req)]
+
+    def faulted(req: Req) -> bool:
+        return any(r is req for r, _ in out.faulted)
 
     room = args.max_running_requests - len(running) - len(out.reqs)
     for req in order_waiting(args.schedule_policy, waiting, match) if room > 0 else []:
@@ -111,9 +119,18 @@ def admit(args: ServerArgs, kv: KVManager, waiting: list[Req], running: list[Req
             break
         if share_in_batch and out.reqs and _shares_uncached_prefix(req, match(req)[0], out.reqs):
             continue  # next step its prefix will be cached by the request it shares with
+        if faulted(req):
+            waiting.remove(req)
+            continue
         first = not out.reqs
         alone = first and not running  # nothing to wait for: admit if the prompt itself fits
-        n, fits = _try_admit(kv, req, budget, first, alone, ratio)
+        try:
+            n, fits = _try_admit(kv, req, budget, first, alone, ratio)
+        except Exception as e:  # noqa: BLE001 - our code raised admitting this request: it alone fails
+            _back_out(kv, req)
+            waiting.remove(req)
+            out.faulted.append((req, e))
+            continue
         if n == 0:
             if alone and not fits:
                 waiting.remove(req)
@@ -146,6 +163,15 @@ def _try_admit(kv: KVManager, req: Req, budget: Budget, first: bool, alone: bool
         n = _chunk_len(req, budget, first)
     budget.take(n, need)
     return n, True
+
+
+def _back_out(kv: KVManager, req: Req) -> None:
+    """Undo whatever admitting `req` did before it raised: pages read in past its prefix, its row."""
+    if req.row is None:
+        return
+    if req.cached_len > req.prefix_len:
+        kv.truncate(req, req.prefix_len)
+    kv.undo_admit(req)
 
 
 def _chunk_len(req: Req, budget: Budget, first: bool) -> int:

@@ -121,13 +121,23 @@ class KVManager:
         if limit // tier.block_tokens * tier.block_tokens <= req.cached_len:
             return 0
         started = time.perf_counter()
-        blocks = tier.load(req.tokens(0, limit), req.cached_len)
+        try:
+            blocks = tier.load(req.tokens(0, limit), req.cached_len)
+        except Exception:  # noqa: BLE001 - the tier is a cache: a read that fails is a miss
+            tier.store.stats.read_failures += 1
+            log.exception("KV tier: reading blocks for request %s failed; it prefills them", req.rid)
+            return 0
         if not blocks:
             return 0
         start, B = req.cached_len, tier.block_tokens
         end = (start // B + len(blocks)) * B
-        tier.scatter(self.extend_slots(req, end - start), blocks, start - start // B * B)
-        req.cached_len = end
+        slots = self.extend_slots(req, end - start)
+        req.cached_len = end  # the pages are the request's now: a failure below hands them back
+        try:
+            tier.scatter(slots, blocks, start - start // B * B)
+        except Exception:
+            self.truncate(req, start)
+            raise
         req.cached_tokens += end - start
         stats = tier.store.stats
         stats.hits += 1

@@ -543,11 +543,16 @@ class Scheduler:
         tokens = sum(r.extend_len for r in self.running) + sum(admitted.lens)
         extend = bool(admitted.reqs) or any(r.extend_len > 1 for r in self.running)
         self.speculator.plan(self.running, kv.available_pages - need - len(self.running), tokens, extend)
+        faulted, self.speculator.faulted = self.speculator.faulted, []
+        for req, e in faulted:
+            self._fail_one(req, "choosing its drafts", e)
 
     def _admit(self) -> Admitted:
         budget = step_budget(self.args, self.kv, self.running, self.chunked, self.new_token_ratio)
         admitted = admit(self.args, self.kv, self.waiting, self.running, self.chunked, self.new_token_ratio, budget)
         self.chunked = admitted.chunked
+        for req, e in admitted.faulted:
+            self._fail_one(req, "admitting it", e)
         for req in admitted.oversized:
             # prompts are checked against the pool on arrival, so this is a retracted request that
             # grew past it: it ends at the pool's limit, like one that reaches it while decoding
@@ -647,14 +652,22 @@ class Scheduler:
         self.kv.truncate(req, req.seq_len - 1)  # the last token's KV comes with the next step, as always
         self.speculator.verified(req, len(draft), kept)
 
-    def _internal_error(self, req: Req, doing: str) -> Finish:
-        """How a request ends when our own code raised on it after a good forward pass: a 500
-        naming an error id (the log has the traceback under it). Its output may be half updated,
-        so none of its own KV goes to the prefix cache: only the prefix it already shared stays."""
+    def _internal_error(self, req: Req, doing: str, exc: BaseException | None = None) -> Finish:
+        """How a request ends when our own code raised on it (`exc`, or the exception being
+        handled): a 500 naming an error id (the log has the traceback under it). Its output may
+        be half updated, so none of its own KV goes to the prefix cache: only the prefix it
+        already shared stays."""
         error_id = uuid.uuid4().hex[:12]
-        log.exception("request %s failed while %s (error id %s)", req.rid, doing, error_id)
-        self._drop_own_kv(req)
+        log.error("request %s failed while %s (error id %s)", req.rid, doing, error_id, exc_info=exc or True)
+        if req.row is not None:
+            self._drop_own_kv(req)
         return Finish(FinishKind.ABORT, f"internal error (error id {error_id})", status=500)
+
+    def _fail_one(self, req: Req, doing: str, exc: Exception) -> None:
+        """Our code raised on `req` while scheduling (admitting it, choosing its drafts): it alone
+        ends, with a 500; everything else is scheduled as if it had never come."""
+        self._dequeue(req)
+        self._ended.append(self._end(req, self._internal_error(req, doing, exc)))
 
     def _drop_own_kv(self, req: Req) -> None:
         """Free a failed request's own KV (past its shared prefix); while a launched step still

@@ -138,6 +138,7 @@ class Speculator:
         # totals since start
         self.verify_rows = self.proposed = self.accepted = 0
         self.speculative_steps = 0
+        self.faulted: list[tuple[Req, Exception]] = []  # requests `plan` raised on: the scheduler fails them
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -151,7 +152,11 @@ class Speculator:
         if self.method == "auto" and len(running) > self.max_batch:
             return 0
         for req in running:
-            draft = self._propose(req)
+            try:
+                draft = self._propose(req)
+            except Exception as e:  # noqa: BLE001 - our code (or its constraint's) raised on it: it alone fails
+                self.faulted.append((req, e))
+                continue
             if draft:
                 acc = req.spec_acceptance
                 offers.append((acc.expected(len(draft)), req, draft))

@@ -448,3 +448,118 @@ def test_building_a_batch_makes_no_copy_that_waits_for_the_device(monkeypatch):
     last = built[0]  # every feature was in the batches watched
     assert all(t is not None for t in (last.seeded_rows, last.logit_bias, last.min_tokens_block,
                                        last.repetition_penalties, last.frequency_penalties)), last
+
+
+def _drive(sched: Scheduler, requests: dict[str, list[int]], new: int = 8) -> tuple[dict, dict]:
+    """Every request at once, stepped to the end: (tokens, finishes) by id."""
+    for rid, prompt in requests.items():
+        sched.add_request(TokenizedRequest(rid, prompt, SamplingParams(max_new_tokens=new, ignore_eos=True,
+                                                                       temperature=0)))
+    tokens = {rid: [] for rid in requests}
+    finishes = {rid: [] for rid in requests}
+    while sched.has_work:
+        for out in sched.step():
+            tokens[out.rid] += out.new_token_ids
+            if out.finish_reason:
+                finishes[out.rid].append(out.finish_reason)
+    return tokens, finishes
+
+
+def _clean(sched: Scheduler) -> None:
+    sched.check_accounting()
+    kv = sched.kv
+    assert kv.cache.locked_pages == 0
+    assert kv.allocator.num_free_pages + kv.cache.evictable_pages == kv.num_pages
+
+
+@pytest.mark.parametrize("where", ["kv.admit", "kv.match_len", "guide.accepts"])
+def test_a_fault_while_scheduling_fails_that_request_alone(where, caplog):
+    """Our code raising while scheduling one request (admitting it, matching its prefix, or its
+    constraint judging its drafts) fails that request with a 500; the others finish exactly. (The
+    exception left `step`, and the scheduler process with it.)"""
+    args = ServerArgs(max_running_requests=4, debug_accounting=True, disable_jump_forward=True,
+                      speculative="ngram" if where == "guide.accepts" else "off")
+    sched = Scheduler(args, EchoWorker(64, 2, 4))
+    bad = [21, 22, 21, 22, 21, 22, 21, 22]
+    requests = {"good": [3, 4, 5, 6, 7], "bad": bad, "other": [9, 10, 11]}
+
+    def raising_for_bad(real):
+        def call(req, *args):
+            if req.prompt_ids == bad:
+                raise RuntimeError("injected")
+            return real(req, *args)
+        return call
+
+    if where == "guide.accepts":
+        from radixlm.runtime.constrained.backend import Matcher
+        from radixlm.runtime.constrained.jump_forward import Forced
+
+        class Guide(Matcher):  # a constraint that allows everything, whose accepts alone raises
+            max_rollback = 8
+
+            def fill_mask(self, row):
+                pass
+
+            def advance(self, token):
+                pass
+
+            def accepts(self, tokens):
+                raise RuntimeError("injected")
+
+            def can_end(self):
+                return True
+
+            def rollback(self, n):
+                pass
+
+            def forced(self):
+                return Forced(b"", False)
+
+        real_add = sched.add_request
+
+        def add(tr):
+            real_add(tr)
+            if tr.input_ids == bad:
+                sched._live[tr.rid].guide = Guide()
+
+        sched.add_request = add
+        sched.speculator._lookup = lambda req, k: [1] * k  # a draft for everyone: the constraint judges it
+    else:
+        owner, name = sched.kv, where.split(".")[1]
+        setattr(owner, name, raising_for_bad(getattr(owner, name)))
+    tokens, finishes = _drive(sched, requests)
+    [failed] = finishes["bad"]
+    assert failed["type"] == "abort" and failed["status"] == 500, failed
+    assert failed["message"].split("error id ")[1].rstrip(")") in caplog.text
+    for rid in ("good", "other"):
+        assert [f["type"] for f in finishes[rid]] == ["length"] and tokens[rid] == reference(requests[rid], 8, True)
+    _clean(sched)
+    sched.shutdown()
+
+
+def test_a_tier_file_that_fails_its_checks_and_cannot_be_deleted_is_a_miss(tmp_path, monkeypatch):
+    """The issue's example: a damaged block in a folder where it cannot be deleted. Reading it is
+    a miss (the request prefills), nothing more (the PermissionError left `step`)."""
+    import os
+
+    def run(prompt):
+        with mock.patch.object(scheduler_module, "BLOCK_TOKENS", 4):
+            sched = Scheduler(ServerArgs(max_running_requests=2, debug_accounting=True, kv_tier_path=str(tmp_path)),
+                              EchoWorker(64, 2, 2))
+        tokens, finishes = _drive(sched, {"r": prompt})
+        _clean(sched)
+        sched.shutdown()
+        return sched, tokens["r"], finishes["r"]
+
+    prompt = list(range(3, 20))
+    run(prompt)  # saved at shutdown
+    files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".kv")]
+    assert files
+    for path in files:
+        with open(path, "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            f.write(b"\xff")  # the payload's digest fails
+    monkeypatch.setattr(os, "remove", lambda path: (_ for _ in ()).throw(PermissionError(13, "read-only", path)))
+    sched, tokens, finishes = run(prompt)
+    assert [f["type"] for f in finishes] == ["length"] and tokens == reference(prompt, 8, True)
+    assert sched.kv.tier.store.stats.corrupt_skipped >= 1 and sched.kv.tier.store.stats.tokens_loaded == 0
