@@ -165,9 +165,10 @@ class SamplingParams:
     def _validate_token_ids(self, vocab_size: int | None) -> None:
         bound = "in [0, vocab_size)" if vocab_size is None else f"in [0, {vocab_size})"
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or {})):
-            for tid in ids:
-                ok = tid >= 0 and (vocab_size is None or tid < vocab_size)
-                _require(ok, f"{name} token id", tid, bound)
+            bad = [tid for tid in ids if tid < 0 or (vocab_size is not None and tid >= vocab_size)]
+            if bad:  # every one is named, not only the first
+                raise SamplingParamsError(f"{name} token id(s) {', '.join(map(str, bad))} out of range; "
+                                          f"allowed: {bound}")
 
     @property
     def is_greedy(self) -> bool:
@@ -294,14 +295,17 @@ def _as_token_ids(name: str, value: Any) -> list[int]:
     return [_as_int(name, v) for v in value]
 
 
-def _as_token_id_key(key: Any) -> int:
+def _token_id_key(key: Any) -> int | None:
+    """A logit_bias key as a token id, or None if it is not one."""
     # JSON object keys are always strings, so "50256" must mean token 50256.
     if isinstance(key, str):
         try:
             return int(key)
         except ValueError:
-            raise _type_error("logit_bias key", "a token id", key) from None
-    return _as_int("logit_bias key", key)
+            return None
+    if isinstance(key, bool) or not isinstance(key, numbers.Integral):
+        return None
+    return int(key)
 
 
 def _as_logit_bias(value: Any) -> dict[int, float] | None:
@@ -309,4 +313,8 @@ def _as_logit_bias(value: Any) -> dict[int, float] | None:
         return None
     if not isinstance(value, Mapping):
         raise _type_error("logit_bias", "an object mapping token id to bias", value)
-    return {_as_token_id_key(k): _as_float("logit_bias value", v) for k, v in value.items()}
+    ids = {k: _token_id_key(k) for k in value}
+    not_ids = [k for k, tid in ids.items() if tid is None]
+    if not_ids:  # every one is named, not only the first
+        raise SamplingParamsError(f"logit_bias keys must be token ids, got {', '.join(map(repr, not_ids))}")
+    return {ids[k]: _as_float("logit_bias value", v) for k, v in value.items()}

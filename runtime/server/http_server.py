@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixlm.runtime.client import RequestFailed, RuntimeClient
 from radixlm.runtime.messages import GenerateRequest
@@ -46,6 +47,13 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
     @app.exception_handler(HTTPError)
     async def _http_error(_: Request, e: HTTPError) -> JSONResponse:
         return error_response(str(e), e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _routing_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        """An unknown path (404) or method (405), in OpenAI's error shape as every other error."""
+        response = error_response(f"{e.detail}: {request.method} {request.url.path}", e.status_code)
+        response.headers.update(e.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(BadRequest)
     async def _bad_request(_: Request, e: BadRequest) -> JSONResponse:

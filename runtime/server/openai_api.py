@@ -21,7 +21,7 @@ from radixlm.runtime.reasoning import ReasoningFormat, reasoning_format
 from radixlm.runtime.server.http_common import HTTPError, json_body, run_until_done
 from radixlm.runtime.server.openai_builders import (
     RequestAborted, aggregate_usage, chat_chunk, chat_logprobs, chat_response, completion_chunk, completion_logprobs,
-    completion_response, new_request_id, openai_finish_reason, usage_chunk,
+    completion_response, matched_stop, new_request_id, openai_finish_reason, usage_chunk,
 )
 from radixlm.runtime.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from radixlm.runtime.server.openai_to_native import chat_messages, chat_to_generate, completion_to_generate
@@ -31,27 +31,27 @@ from radixlm.runtime.server.sse import sse, sse_response
 
 
 def add_openai_routes(app: FastAPI, state: ServerState) -> None:
+    # One model is served, so a request's `model` is not checked (as SGLang does): any name means it.
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.started,
-                                            "owned_by": "radixlm", "max_model_len": state.info.get("context_length")}]}
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        if model != state.model_name:
+            raise HTTPError(f"model {model!r} does not exist; this server serves {state.model_name!r}", 404)
+        return _model_card(state)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = parse_request(CompletionRequest, await json_body(request))
-        check_model(state, req.model)
         body = completion_to_generate(req)
-        body["return_text_in_logprobs"] = req.logprobs is not None
-        if req.echo and not isinstance(body.get("text"), (str, list)):
-            raise HTTPError("echo is supported for text prompts only")
-        echo = _echo_prompts(req) if req.echo else None
         return await _run(request, state, body, req, chat=False, build=lambda results, rid: completion_response(
-            results, state.model_name, rid, echo, req.logprobs, _decoder(results), n=req.n))
+            results, state.model_name, rid, _echo_prompts(req, results), req.logprobs, _decoder(results), n=req.n))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = parse_request(ChatCompletionRequest, await json_body(request))
-        check_model(state, req.model)
         parser = state.server_args.get("reasoning_parser")
         body = chat_body(req, reasoning_format(parser) if parser else None)
         body["return_text_in_logprobs"] = bool(req.logprobs)
@@ -102,13 +102,26 @@ def parse_request(model: type[BaseModel], body: dict[str, Any]) -> Any:
         raise HTTPError(f"{where}: {first['msg']}" if where else first["msg"]) from None
 
 
-def check_model(state: ServerState, name: str | None) -> None:
-    if name not in (None, "", "default", state.model_name):
-        raise HTTPError(f"model {name!r} does not exist; this server serves {state.model_name!r}", 404)
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {"id": state.model_name, "object": "model", "created": state.started, "owned_by": "radixlm",
+            "max_model_len": state.info.get("context_length")}
 
 
-def _echo_prompts(req: CompletionRequest) -> list[str]:
-    return [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+def _echo_prompts(req: CompletionRequest, results: list[dict[str, Any]]) -> list[str] | None:
+    """Each prompt's echoed text, if the request asks for `echo` (`results`: prompt-major)."""
+    if not req.echo:
+        return None
+    return [_echo_text(req, i, results[i * req.n]) for i in range(req.num_prompts)]
+
+
+def _echo_text(req: CompletionRequest, prompt: int, result: dict[str, Any]) -> str:
+    """What `echo` puts before the output of prompt number `prompt` (`result`: one of its choices):
+    the text sent, or its token ids as the runtime decoded them, one by one (the texts of the prompt's
+    logprob entries, which completion_to_generate asks for)."""
+    sent = req.prompts[prompt]
+    if isinstance(sent, str):
+        return sent
+    return "".join(entry[2] for entry in result["meta_info"]["input_token_logprobs"])
 
 
 def _decoder(results: list[dict[str, Any]]) -> Callable[[int], str]:
@@ -140,15 +153,22 @@ async def _stream(state: ServerState, reqs: list[GenerateRequest], req: Any, rid
     choice_streams: dict[int, ChoiceStream] = {}
     async for index, out in merge_streams(state.client, reqs):
         result = native_result(out)
+        native_finish = out.meta_info.get("finish_reason") if out.finished else None
         try:
-            finish = openai_finish_reason(out.meta_info.get("finish_reason")) if out.finished else None
+            finish = openai_finish_reason(native_finish)
         except RequestAborted as e:
             raise HTTPError(f"the request was aborted: {e}", 500) from None
+        matched = matched_stop(native_finish)
         if out.finished:
             finals[index] = result
         if not chat:
-            lp = completion_logprobs(result["meta_info"], _decoder([result])) if req.logprobs is not None else None
-            yield sse(completion_chunk(rid, model, created, index, result["text"], finish, lp))
+            echo = req.echo and index not in started  # a choice's first chunk begins with the prompt
+            started.add(index)
+            text = _echo_text(req, index // req.n, result) + result["text"] if echo else result["text"]
+            lp = None
+            if req.logprobs is not None:
+                lp = completion_logprobs(result["meta_info"], _decoder([result]), echo=echo)
+            yield sse(completion_chunk(rid, model, created, index, text, finish, lp, matched))
             continue
         lp = chat_logprobs(result["meta_info"], req.top_logprobs or 0, _decoder([result])) if req.logprobs else None
         stream = choice_streams.setdefault(index, ChoiceStream(tools, reasoning))
@@ -163,7 +183,7 @@ async def _stream(state: ServerState, reqs: list[GenerateRequest], req: Any, rid
                 started.add(index)
             last = i == len(deltas) - 1
             yield sse(chat_chunk(rid, model, created, index, delta, finish if last else None,
-                                 lp if i == 0 else None))
+                                 lp if i == 0 else None, matched if last else None))
     if req.include_usage:
         ordered = [finals[i] for i in sorted(finals)]
         yield sse(usage_chunk(rid, model, created, aggregate_usage(ordered, req.n), chat=chat))

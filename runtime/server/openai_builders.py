@@ -1,6 +1,7 @@
 """Native results back into the OpenAI API's JSON: whole objects (``completion_response``,
 ``chat_response``), streamed chunks (``completion_chunk``, ``chat_chunk``, ``usage_chunk``), their
-logprobs, usage and finish reasons, request ids, and ``openai_error``. Free of I/O.
+logprobs, usage, finish reasons and SGLang's ``matched_stop``, request ids, and ``openai_error``.
+Free of I/O.
 
 Native results are prompt-major: with ``p`` prompts and ``n`` choices each,
 choice ``j`` of prompt ``i`` is ``results[i * n + j]``.
@@ -52,6 +53,13 @@ def openai_finish_reason(native: dict[str, Any] | None) -> str | None:
     raise AssertionError(f"unknown native finish reason {native!r}")
 
 
+def matched_stop(native: dict[str, Any] | None) -> int | str | None:
+    """SGLang's ``matched_stop`` for a native ``meta_info["finish_reason"]``: what stopped the
+    choice, the stop string (or stop regex) or the stop token id (EOS included); ``None`` while it
+    runs and when a length limit ended it."""
+    return native.get("matched") if native is not None else None
+
+
 def aggregate_usage(results: list[dict[str, Any]], n: int) -> dict[str, Any]:
     """Usage over prompt-major results with ``n`` choices per prompt.
 
@@ -100,6 +108,7 @@ def completion_response(
             "text": prefix + result["text"],
             "logprobs": lp,
             "finish_reason": openai_finish_reason(meta["finish_reason"]),
+            "matched_stop": matched_stop(meta["finish_reason"]),
         })
     return {
         "id": f"cmpl-{request_id}",
@@ -143,6 +152,7 @@ def chat_response(
             "message": message,
             "logprobs": chat_logprobs(meta, top_logprobs, tokenizer_decode) if logprobs else None,
             "finish_reason": finish,
+            "matched_stop": matched_stop(meta["finish_reason"]),
         })
     return {
         "id": f"chatcmpl-{request_id}",
@@ -236,9 +246,12 @@ def completion_chunk(
     text: str,
     finish_reason: str | None,
     logprobs: dict[str, Any] | None = None,
+    matched: int | str | None = None,
 ) -> dict[str, Any]:
-    """One streamed completions event; ``finish_reason`` is already OpenAI's."""
-    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    """One streamed completions event; ``finish_reason`` is already OpenAI's, ``matched`` its
+    ``matched_stop``."""
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+              "matched_stop": matched}
     return _chunk(f"cmpl-{request_id}", "text_completion", model, created, [choice])
 
 
@@ -250,9 +263,12 @@ def chat_chunk(
     delta: dict[str, Any],
     finish_reason: str | None,
     logprobs: dict[str, Any] | None = None,
+    matched: int | str | None = None,
 ) -> dict[str, Any]:
-    """One streamed chat event; the first ``delta`` of a choice carries ``role``."""
-    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    """One streamed chat event; the first ``delta`` of a choice carries ``role``, the last its
+    ``finish_reason`` and ``matched_stop`` (``matched``)."""
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+              "matched_stop": matched}
     return _chunk(f"chatcmpl-{request_id}", "chat.completion.chunk", model, created, [choice])
 
 

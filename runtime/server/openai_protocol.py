@@ -32,7 +32,21 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _OpenAIRequest(BaseModel):
+class SamplingExtras(BaseModel):
+    """Sampling fields that /v1/responses takes too (SGLang's ResponsesRequest has them), beside
+    the chat and completions endpoints; passed through as-is, SamplingParams checks the ranges of
+    SGLang's own (``top_k``, ``min_p``, ``repetition_penalty``)."""
+
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+
+class _OpenAIRequest(SamplingExtras):
     """Shared parsing rules of both endpoints.
 
     An unknown field is refused (400 naming it), as OpenAI does: a misspelt
@@ -49,24 +63,18 @@ class _OpenAIRequest(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: StrictInt | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # SGLang extensions, passed through as-is; SamplingParams checks their ranges.
-    top_k: StrictInt | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
     min_tokens: StrictInt | None = None
     ignore_eos: bool | None = None
     regex: str | None = None
     json_schema: str | None = None  # a JSON schema as a string (chat also has response_format)
     skip_special_tokens: bool | None = None
     stop_token_ids: list[TokenId] | None = None
+    stop_regex: str | list[str] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -79,11 +87,13 @@ class _OpenAIRequest(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        for key, value in (bias or {}).items():
-            if not (key.isascii() and key.isdigit()):
-                raise ValueError(f"logit_bias keys must be token ids (digit strings), got {key!r}")
-            if not -100 <= value <= 100:
-                raise ValueError(f"logit_bias[{key}]={value} is out of range; allowed: [-100, 100]")
+        # every bad entry is named, not only the first
+        not_ids = [key for key in bias or () if not (key.isascii() and key.isdigit())]
+        if not_ids:
+            raise ValueError(f"logit_bias keys must be token ids (digit strings), got {', '.join(map(repr, not_ids))}")
+        out_of_range = [f"logit_bias[{key}]={value}" for key, value in (bias or {}).items() if not -100 <= value <= 100]
+        if out_of_range:
+            raise ValueError(f"{', '.join(out_of_range)} out of range; allowed: [-100, 100]")
         return bias
 
     @property
@@ -126,12 +136,17 @@ class CompletionRequest(_OpenAIRequest):
         return best_of
 
     @property
-    def num_prompts(self) -> int:
-        """How many prompts the request holds; results number ``num_prompts * n``."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, texts or token ids, one per entry (one prompt is a list of one)."""
         p = self.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):
-            return 1
-        return len(p)
+            return [p]
+        return list(p)
+
+    @property
+    def num_prompts(self) -> int:
+        """How many prompts the request holds; results number ``num_prompts * n``."""
+        return len(self.prompts)
 
 
 class TextPart(BaseModel):
@@ -230,6 +245,8 @@ class ChatCompletionRequest(_OpenAIRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+    # SGLang's assistant prefill: a last message of the assistant's is continued, not closed
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:

@@ -27,9 +27,11 @@ def completion_to_generate(req: CompletionRequest) -> dict[str, Any]:
     key = "text" if isinstance(req.prompt, str) or isinstance(req.prompt[0], str) else "input_ids"
     body: dict[str, Any] = {key: req.prompt, "sampling_params": _sampling_params(req, req.max_tokens)}
     body["stream"] = req.stream
-    if req.logprobs is not None:
+    # token ids are echoed as the runtime decodes them: the texts of the prompt's logprob entries
+    if req.logprobs is not None or (req.echo and key == "input_ids"):
         body["return_logprob"] = True
-        body["top_logprobs_num"] = req.logprobs
+        body["top_logprobs_num"] = req.logprobs or 0
+        body["return_text_in_logprobs"] = True
         if req.echo:
             body["logprob_start_len"] = 0  # echoed prompt tokens get logprobs too
     return body
@@ -56,8 +58,11 @@ def chat_to_generate(req: ChatCompletionRequest, prompt_text: str,
     body: dict[str, Any] = {"text": prompt_text, "sampling_params": params, "stream": req.stream}
     if tools:
         body["tools"] = tools  # the chat template shows them to the model
-    if req.chat_template_kwargs:
-        body["chat_template_kwargs"] = req.chat_template_kwargs
+    template_kwargs = dict(req.chat_template_kwargs or {})
+    if req.continue_final_message:  # the tokenizer process renders the messages: it is told there
+        template_kwargs["continue_final_message"] = True
+    if template_kwargs:
+        body["chat_template_kwargs"] = template_kwargs
     if reasoning is not None and reasoning.thinking(req.chat_template_kwargs):
         body["require_reasoning"] = True
     if req.logprobs:
@@ -141,6 +146,7 @@ def _sampling_params(req: _OpenAIRequest, max_new_tokens: int | None) -> dict[st
         "json_schema": req.json_schema,
         "skip_special_tokens": req.skip_special_tokens,
         "stop_token_ids": req.stop_token_ids,
+        "stop_regex": req.stop_regex,
     }
     # Absent fields stay absent so the engine's defaults apply.
     params.update({k: v for k, v in passed.items() if v is not None})

@@ -19,7 +19,7 @@ from radixlm.runtime.native import native_requests, native_result
 from radixlm.runtime.reasoning import reasoning_format
 from radixlm.runtime.server import responses_protocol as rp
 from radixlm.runtime.server.http_common import HTTPError, json_body, run_until_done
-from radixlm.runtime.server.openai_api import chat_body, check_model, parse_request
+from radixlm.runtime.server.openai_api import chat_body, parse_request
 from radixlm.runtime.server.openai_builders import RequestAborted, aggregate_usage, chat_response, openai_finish_reason
 from radixlm.runtime.server.output_readers import ChoiceStream, ReasoningReader, ToolReader
 from radixlm.runtime.server.server_state import ServerState, gather_outputs, merge_streams
@@ -30,7 +30,6 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         req = parse_request(rp.ResponsesRequest, await json_body(request))
-        check_model(state, req.model)
         try:
             chat = rp.to_chat(req)
         except ValueError as e:

@@ -191,13 +191,14 @@ _REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
 _NO_EFFECT = frozenset({"user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "service_tier"})
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(oa.SamplingExtras):
     """Body of ``POST /v1/responses``.
 
     As on the chat endpoints, an unknown field is refused (400 naming it) and
     JSON ``null`` means the default. ``store`` is accepted but nothing is
     stored; the fields of stored state (``previous_response_id``,
-    ``conversation``, ``prompt``) are refused.
+    ``conversation``, ``prompt``) are refused. SGLang's sampling extras (``SamplingExtras``:
+    ``top_k``, ``min_p``, penalties, ``seed``, ``stop``) go to the chat request as they are.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -273,6 +274,7 @@ def to_chat(req: ResponsesRequest) -> oa.ChatCompletionRequest:
         "response_format": {"type": fmt.type} if fmt.type != "json_schema" else {
             "type": "json_schema", "json_schema": fmt.model_dump(include={"name", "schema_", "strict", "description"},
                                                                  by_alias=True, exclude_none=True)},
+        **req.model_dump(include=set(oa.SamplingExtras.model_fields)),
     }
     if req.tools:
         body["tools"] = [{"type": "function", "function": _chat_function(t)} for t in req.tools]

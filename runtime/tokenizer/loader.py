@@ -68,28 +68,35 @@ def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any
                 tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
     """The prompt text of a conversation (OpenAI-shaped messages, tool calls and results included),
     rendered with the tokenizer's chat template and opened for the assistant's reply;
-    `template_kwargs` are extra variables the template reads (Qwen3's `enable_thinking`).
+    `template_kwargs` are extra variables the template reads (Qwen3's `enable_thinking`), and
+    SGLang's `continue_final_message`: a last message of the assistant's is left open for the reply
+    to continue (no generation prompt; ignored after any other role, as SGLang ignores it).
     Raises ValueError when the messages do not fit the template."""
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise ValueError("messages must be a non-empty list of objects with a role")
-    reserved = sorted(set(template_kwargs or ()) & _RENDER_ARGUMENTS)
+    template_kwargs = dict(template_kwargs or {})
+    reserved = sorted(set(template_kwargs) & _RENDER_ARGUMENTS)
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets those")
+    prefill = template_kwargs.pop("continue_final_message", False)
+    if not isinstance(prefill, bool):
+        raise ValueError("chat_template_kwargs.continue_final_message must be a boolean")
+    prefill = prefill and messages[-1]["role"] == "assistant"
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # named templates ("default", "tool_use", ...)
         template = "\n".join(template.values())
     try:
         messages, tools = tool_calls.for_template(messages, tools, template)
         # transformers renders templates in a jinja2 sandbox
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
-                                             **(template_kwargs or {}))
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=not prefill,
+                                             continue_final_message=prefill, **template_kwargs)
     except Exception as e:  # noqa: BLE001 - a template error is the request's fault
         raise ValueError(f"cannot apply the chat template: {e}") from e
 
 
 # apply_chat_template's own arguments (and the variables it sets): not for chat_template_kwargs
 _RENDER_ARGUMENTS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "tokenize",
+    "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "processor_kwargs"})

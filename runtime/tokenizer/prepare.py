@@ -77,6 +77,8 @@ class RequestPreparer:
         if raw.get("max_new_tokens", 0) is None:  # "as many as fit"
             raw["max_new_tokens"] = self.context_length - prompt_len
         params = SamplingParams.from_dict(raw)
+        # as in SGLang, stop token ids past the vocabulary are accepted: they can never be sampled
+        params.stop_token_ids = [t for t in params.stop_token_ids if t < self.vocab_size]
         params.validate(self.vocab_size)
         if req.logprob_start_len >= prompt_len:
             raise BadRequest(f"logprob_start_len {req.logprob_start_len} must be below the prompt length {prompt_len}")

@@ -36,7 +36,7 @@ NATIVE = [
     ({"text": "hi", "sampling_params": {"n": 10**9}}, "more than 1024 generations"),  # refused before expanding
     ({"text": ["hi"] * 2000}, "more than 1024 generations"),
     ({"text": "hi", "return_logprob": True, "top_logprobs_num": 10**6}, "top_logprobs_num"),
-    ({"text": "hi", "sampling_params": {"stop_token_ids": [10**9]}}, "stop_token_ids"),
+    ({"text": "hi", "sampling_params": {"logit_bias": {10**9: 1}}}, "logit_bias"),
     ({"text": "hi", "sampling_params": {"regex": "(unclosed"}}, "regex constraint"),
     ({"text": "hi", "sampling_params": {"regex": "a", "json_schema": "{}"}}, "mutually exclusive"),
     ({"text": "hi", "sampling_params": {"json_schema": "{not json"}}, "json_schema"),

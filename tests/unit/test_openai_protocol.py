@@ -257,10 +257,10 @@ def test_completion_response_exact() -> None:
         "object": "text_completion",
         "model": "m",
         "choices": [
-            {"index": 0, "text": "a0", "logprobs": None, "finish_reason": "stop"},
-            {"index": 1, "text": "a1", "logprobs": None, "finish_reason": "length"},
-            {"index": 2, "text": "b0", "logprobs": None, "finish_reason": "stop"},
-            {"index": 3, "text": "b1", "logprobs": None, "finish_reason": "length"},
+            {"index": 0, "text": "a0", "logprobs": None, "finish_reason": "stop", "matched_stop": 2},
+            {"index": 1, "text": "a1", "logprobs": None, "finish_reason": "length", "matched_stop": None},
+            {"index": 2, "text": "b0", "logprobs": None, "finish_reason": "stop", "matched_stop": "\n"},
+            {"index": 3, "text": "b1", "logprobs": None, "finish_reason": "length", "matched_stop": None},
         ],
         "usage": {"prompt_tokens": 9, "completion_tokens": 7, "total_tokens": 16,
                   "prompt_tokens_details": {"cached_tokens": 3}},
@@ -322,8 +322,10 @@ def test_chat_response_exact() -> None:
         "object": "chat.completion",
         "model": "m",
         "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "hello"}, "logprobs": None, "finish_reason": "stop"},
-            {"index": 1, "message": {"role": "assistant", "content": "hi"}, "logprobs": None, "finish_reason": "length"},
+            {"index": 0, "message": {"role": "assistant", "content": "hello"}, "logprobs": None, "finish_reason": "stop",
+             "matched_stop": 0},
+            {"index": 1, "message": {"role": "assistant", "content": "hi"}, "logprobs": None, "finish_reason": "length",
+             "matched_stop": None},
         ],
         "usage": {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9,
                   "prompt_tokens_details": {"cached_tokens": 4}},
@@ -361,7 +363,7 @@ def test_completion_chunk_format() -> None:
     chunk = completion_chunk("r", "m", 123, 1, "abc", None)
     assert chunk == {
         "id": "cmpl-r", "object": "text_completion", "created": 123, "model": "m",
-        "choices": [{"index": 1, "text": "abc", "logprobs": None, "finish_reason": None}],
+        "choices": [{"index": 1, "text": "abc", "logprobs": None, "finish_reason": None, "matched_stop": None}],
     }
     # The SDK streams completions as Completion objects; a finished one must parse.
     openai.types.Completion.model_validate(completion_chunk("r", "m", 123, 0, "", "length"))
@@ -372,7 +374,7 @@ def test_chat_chunk_format() -> None:
     assert first == {
         "id": "chatcmpl-r", "object": "chat.completion.chunk", "created": 5, "model": "m",
         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None}],
+                     "finish_reason": None, "matched_stop": None}],
     }
     last = chat_chunk("r", "m", 5, 0, {"content": "!"}, "stop",
                       logprobs={"content": [{"token": "!", "logprob": -0.5, "bytes": [33], "top_logprobs": []}]})
@@ -487,7 +489,7 @@ def test_a_chat_response_carries_the_calls() -> None:
     assert [c["function"] for c in auto["message"]["tool_calls"]] == [{"name": "add", "arguments": '{"a": 1, "b": 1}'}]
     plain = _tool_response(chat(tools=[ADD]), "Two.")
     assert plain == {"index": 0, "message": {"role": "assistant", "content": "Two."}, "logprobs": None,
-                     "finish_reason": "stop"}
+                     "finish_reason": "stop", "matched_stop": None}
 
 
 @pytest.mark.parametrize("tool_choice,pieces", [

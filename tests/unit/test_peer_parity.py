@@ -1,0 +1,57 @@
+"""Where the runtime's side of the OpenAI endpoints differed from SGLang (issue 32, found by the peers'
+API test suites): stop token ids past the vocabulary, logit_bias errors that named one bad entry,
+and SGLang's `continue_final_message` (the assistant's last message continued, not closed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixlm.runtime.messages import GenerateRequest
+from radixlm.runtime.sampling_params import SamplingParams, SamplingParamsError
+from radixlm.runtime.server.openai_protocol import ChatCompletionRequest
+from radixlm.runtime.tokenizer.loader import chat_prompt
+from radixlm.runtime.tokenizer.prepare import RequestPreparer
+
+V = 49152  # SmolLM2's vocabulary
+
+
+def test_stop_token_ids_past_the_vocabulary_are_accepted_and_dropped(smol_tokenizer):
+    prep = RequestPreparer(smol_tokenizer, V, 64)
+    params = {"stop_token_ids": [V + 5, 2, 10**9], "min_new_tokens": 1, "max_new_tokens": 4}
+    tr = prep.prepare(GenerateRequest("r", input_ids=[1, 2], sampling_params=params))
+    # dropped, as they can never be sampled (the min_new_tokens block indexes the logits by them)
+    assert tr.sampling_params.stop_token_ids == [2]
+    with pytest.raises(SamplingParamsError, match="stop_token_ids"):  # a negative id is still no token id
+        prep.prepare(GenerateRequest("r", input_ids=[1, 2], sampling_params={"stop_token_ids": [-1]}))
+
+
+def test_logit_bias_errors_name_every_bad_entry():
+    with pytest.raises(SamplingParamsError) as caught:
+        SamplingParams.from_dict({"logit_bias": {"a": 1, "5": 1, "b": 1}})
+    assert "'a'" in str(caught.value) and "'b'" in str(caught.value)
+    with pytest.raises(SamplingParamsError) as caught:
+        SamplingParams(logit_bias={V: 1.0, 3: 1.0, V + 1: 1.0}).validate(V)
+    assert f"{V}, {V + 1}" in str(caught.value)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(ValueError) as caught:
+        ChatCompletionRequest.model_validate(chat | {"logit_bias": {"x": 1, "y": 1}})
+    assert "'x'" in str(caught.value) and "'y'" in str(caught.value)
+    with pytest.raises(ValueError) as caught:
+        ChatCompletionRequest.model_validate(chat | {"logit_bias": {"1": 101, "2": -101}})
+    assert "logit_bias[1]" in str(caught.value) and "logit_bias[2]" in str(caught.value)
+
+
+CONVERSATION = [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "1, 2, 3"}]
+
+
+def test_continue_final_message_leaves_the_assistant_turn_open(smol_tokenizer):
+    closed = chat_prompt(smol_tokenizer, CONVERSATION)
+    assert closed.endswith("1, 2, 3<|im_end|>\n<|im_start|>assistant\n")  # a new turn opened after it
+    prefilled = chat_prompt(smol_tokenizer, CONVERSATION, template_kwargs={"continue_final_message": True})
+    assert prefilled.endswith("<|im_start|>assistant\n1, 2, 3") and closed.startswith(prefilled)
+    # after any other role it changes nothing (SGLang ignores it there)
+    asked = CONVERSATION[:1]
+    assert chat_prompt(smol_tokenizer, asked, template_kwargs={"continue_final_message": True}) == \
+        chat_prompt(smol_tokenizer, asked)
+    with pytest.raises(ValueError, match="must be a boolean"):
+        chat_prompt(smol_tokenizer, CONVERSATION, template_kwargs={"continue_final_message": "yes"})
