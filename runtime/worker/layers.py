@@ -47,10 +47,14 @@ def _keep_blocks(param: nn.Parameter, loaded: Weight, part: Callable[[], Blocks 
     if part is None or (have is not None and (have.bits, have.group) != (part.bits, part.group)):
         param.file_blocks = False  # type: ignore[attr-defined]
         return
-    if have is None:
-        n, k = param.shape
-        have = Blocks(torch.zeros(n, k, dtype=part.codes.dtype), torch.zeros(n, k // part.group),
-                      torch.zeros(n, k // part.group), part.bits, part.group)
+    n, k = param.shape
+    if have is None and rows in (slice(None), slice(0, n)) and cols == slice(None):  # the whole matrix at once
+        param.file_blocks = Blocks(part.codes, *(t.to(torch.float32, copy=True) for t in (part.scale, part.zero)),
+                                   part.bits, part.group)
+        return
+    if have is None:  # (empty: the parts cover every row and column, as they do the weight itself)
+        have = Blocks(torch.empty(n, k, dtype=part.codes.dtype), torch.empty(n, k // part.group),
+                      torch.empty(n, k // part.group), part.bits, part.group)
         param.file_blocks = have  # type: ignore[attr-defined]
     g = part.group
     block_cols = slice(None) if cols == slice(None) else slice(cols.start // g, cols.stop // g)

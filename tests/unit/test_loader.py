@@ -124,3 +124,25 @@ def test_gguf_tensor_slices_of_any_type_and_rank(shape, qtype):
     if len(shape) == 2:
         np.testing.assert_array_equal(lazy[:, 5:70].numpy(), whole[:, 5:70])
         np.testing.assert_array_equal(lazy[2:4, 32:64].numpy(), whole[2:4, 32:64])
+
+
+def test_the_fast_gguf_reader_reads_what_ggufs_own_reads():
+    """model_config's reader (gguf's, over a plain view with a leaner low-level read) against gguf's
+    own on the embedded file: every field's parts and every tensor's name, type, shape and bytes."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from radixlm.runtime.model_config import gguf_reader, resolve_model
+
+    path = resolve_model(None).path
+    ours, theirs = gguf_reader(path), GGUFReader(path)
+    assert type(ours) is not GGUFReader and isinstance(ours, GGUFReader)
+    assert list(ours.fields) == list(theirs.fields) and ours.data_offset == theirs.data_offset
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert mine.types == field.types and mine.data == field.data, key
+        assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(mine.parts, field.parts)), key
+    assert ours.fields["tokenizer.ggml.tokens"].contents()[:50] == theirs.fields["tokenizer.ggml.tokens"].contents()[:50]
+    assert [(t.name, t.tensor_type, list(t.shape)) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape)) for t in theirs.tensors]
+    assert all(np.array_equal(np.asarray(a.data), np.asarray(b.data)) for a, b in zip(ours.tensors, theirs.tensors))
