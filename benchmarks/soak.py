@@ -4,7 +4,8 @@
     python benchmarks/soak.py --quick         # 200 requests (CI: tests/server/test_soak.py)
     python benchmarks/soak.py --url http://127.0.0.1:30000 --requests 5000   # an already running server
 
-The mix (seeded): native /generate, OpenAI completions and chat; half streamed;
+The mix (seeded): native /generate, OpenAI completions and chat, and the
+Responses API; half streamed;
 one in six constrained (regex or JSON schema, the same few over and over, so
 many requests wait on one compile); a quarter of the chats offer a tool
 (`tool_choice` auto or required); one in five has stop strings; one in eight
@@ -14,7 +15,9 @@ others time out on the client side; 2% are bad requests that must get a 400
 (a negative length, or a regex that does not compile, sent by many at once).
 Requests arrive in bursts (up to --burst at once) that need far more KV than the
 pool holds (the server it starts gets --max-total-tokens 2048), so requests
-queue and running ones may be retracted.
+queue and running ones may be retracted. That server runs the features together:
+its default precision, n-gram speculation, a reasoning parser, and a KV tier in a
+temporary folder that the evicted system prompts go to and come back from.
 
 Every request must end in exactly one expected way: complete, dropped by its
 client, or refused as bad. Anything else (an error, a 5xx, a stream without its
@@ -34,6 +37,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -61,7 +65,7 @@ EXPECTED = ("ok", "dropped", "refused")
 
 @dataclass
 class Plan:
-    api: str  # native | completions | chat
+    api: str  # native | completions | chat | responses
     stream: bool
     constraint: str | None  # regex | json | None
     prompt: str
@@ -81,7 +85,7 @@ def make_plans(n: int, seed: int) -> list[Plan]:
         stream = rng.random() < 0.5
         bad = rng.random() < 0.02
         plans.append(Plan(
-            api=rng.choice(["native", "native", "completions", "chat"]),
+            api=rng.choice(["native", "native", "completions", "chat", "responses"]),
             stream=stream,
             constraint=rng.choice(["regex", "json"]) if rng.random() < 1 / 6 else None,
             prompt=f"{rng.choice(SYSTEM_PROMPTS)}\nRequest {i}: tell me about item {rng.randrange(10**6)}.",
@@ -100,6 +104,10 @@ def make_plans(n: int, seed: int) -> list[Plan]:
             plans[-1].n = rng.randint(2, 3)
         if bad and rng.random() < 0.5:
             plans[-1].constraint = "bad-regex"
+        if plans[-1].api == "responses":  # no n, stop strings or regexes there
+            plans[-1].n, plans[-1].stop = 1, None
+            if plans[-1].constraint in ("regex", "bad-regex"):
+                plans[-1].constraint = None
     return plans
 
 
@@ -116,6 +124,12 @@ def body_of(p: Plan) -> tuple[str, dict]:
     if p.api == "native":
         params: dict = {"max_new_tokens": limit, "temperature": 0.7, **extra}
         return "/generate", {"text": p.prompt, "sampling_params": params, "stream": p.stream}
+    if p.api == "responses":
+        body = {"model": "default", "max_output_tokens": limit, "temperature": 0.7, "stream": p.stream,
+                "instructions": p.prompt.split("\n")[0], "input": p.prompt.split("\n")[1]}
+        if p.constraint == "json":
+            body["text"] = {"format": {"type": "json_schema", "name": "item", "schema": SCHEMA}}
+        return "/v1/responses", body
     body: dict = {"model": "default", "max_tokens": limit, "temperature": 0.7, "stream": p.stream, **extra}
     if p.api == "chat":
         if p.tool_choice:
@@ -133,6 +147,10 @@ def finished(obj: dict | list) -> set[int]:
         return set().union(*({i} if finished(o) else set() for i, o in enumerate(obj)))
     if "meta_info" in obj:
         return {obj.get("index", 0)} if obj["meta_info"].get("finish_reason") is not None else set()
+    if obj.get("object") == "response":  # the Responses API, whole
+        return {0} if obj.get("status") in ("completed", "incomplete") else set()
+    if obj.get("type", "").startswith("response."):  # its stream: the last event ends it
+        return {0} if obj["type"] in ("response.completed", "response.incomplete") else set()
     return {c.get("index", 0) for c in obj.get("choices", []) if c.get("finish_reason")}
 
 
@@ -165,9 +183,11 @@ async def send(client: httpx.AsyncClient, p: Plan, deadline: float) -> tuple[str
                     done = True
                     break
                 event = json.loads(line[6:])
-                if "error" in event:
-                    return "lost", 0.0, f"error event: {event['error']}"
+                if "error" in event or event.get("type") == "response.failed":
+                    return "lost", 0.0, f"error event: {event.get('error') or event['response']['error']}"
                 ended |= finished(event)
+                if p.api == "responses" and ended:  # (no [DONE] there)
+                    done = True
                 events += 1
                 if p.drop_after is not None and events >= p.drop_after:
                     return "dropped", 0.0, ""  # leaving the block closes the connection mid-stream
@@ -268,8 +288,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="200 requests, smaller bursts (CI)")
     ap.add_argument("--burst", type=int, default=96, help="most requests arriving at once")
     ap.add_argument("--url", default=None, help="soak a running server instead of starting one")
-    ap.add_argument("--server-args", default="--max-total-tokens 2048",
-                    help="options of the server this script starts")
+    ap.add_argument("--server-args", default="--max-total-tokens 2048 --speculative ngram --reasoning-parser qwen3",
+                    help="options of the server this script starts (a KV tier in a temporary folder is added)")
     ap.add_argument("--deadline", type=float, default=300, help="seconds after which an unanswered request is lost")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "soak.json"))
@@ -277,7 +297,8 @@ def main() -> int:
     if ns.quick:
         ns.requests, ns.burst = 200, 48
 
-    server = None if ns.url else Server(ns.server_args.split())
+    tier = None if ns.url else tempfile.TemporaryDirectory(prefix="radixlm-soak-tier-")
+    server = None if ns.url else Server([*ns.server_args.split(), "--kv-tier-path", tier.name])
     url = ns.url or server.url
     pid = server.proc.pid if server else None
     plans = make_plans(ns.requests, ns.seed)
@@ -301,6 +322,8 @@ def main() -> int:
         rss_end = tree_rss_mb(pid) if pid else None
     finally:
         code = server.stop() if server else 0
+        if tier is not None:
+            tier.cleanup()
 
     counts = {k: sum(r[0] == k for r in results) for k in (*EXPECTED, "lost")}
     latencies = [r[1] for r in results if r[0] == "ok"]
@@ -311,6 +334,8 @@ def main() -> int:
         "streamed": sum(p.stream for p in plans), "constrained": sum(p.constraint is not None for p in plans),
         "with_tools": sum(p.tool_choice is not None for p in plans),
         "with_stop": sum(p.stop is not None for p in plans), "with_n": sum(p.n > 1 for p in plans),
+        "responses_api": sum(p.api == "responses" for p in plans),
+        "speculative": after.get("speculative_stats"), "kv_tier": after.get("kv_tier"),
         "kv_accounting_ok": acct["ok"], "idle_after_drain": acct["idle"],
         "locked_pages_after": acct["locked_pages"], "leaked_pages": leaked,
         "peak_running": peaks.get("running_requests"), "peak_waiting": peaks.get("waiting_requests"),
@@ -329,8 +354,9 @@ def main() -> int:
     os.makedirs(os.path.dirname(ns.out), exist_ok=True)
     with open(ns.out, "w") as f:
         json.dump(summary, f, indent=1)
+    tier_failures = (after.get("kv_tier") or {}).get("writes_failed", 0)
     ok = (counts["lost"] == 0 and leaked == 0 and acct["ok"] and acct["idle"] and acct["locked_pages"] == 0
-          and code == 0)
+          and code == 0 and tier_failures == 0)
     return 0 if ok else 1
 
 

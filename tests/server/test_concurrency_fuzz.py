@@ -1,9 +1,11 @@
 """A concurrency fuzzer: hypothesis draws sets of 2-16 requests that mix valid and invalid
 constraints (the same one repeated, n > 1, an unknown $ref, explosive regexes that run into the
-compile time limit), streams, aborts, disconnects and injected worker faults, and sends each set
-at once to a live server. After every set: each request got exactly one answer, nothing but an
-injected fault drew a 5xx, the server answers /health and a plain request, and its KV accounting
-is clean.
+compile time limit), streams, aborts, disconnects and injected worker faults, on the native, chat
+and Responses endpoints, with prompts long enough to reach the KV tier, and sends each set at once
+to a live server that runs the features together: its default precision, n-gram speculation, a
+KV tier under a pool that must evict, and a reasoning parser. After every set: each request got
+exactly one answer, nothing but an injected fault drew a 5xx, the server answers /health and a
+plain request, and its KV accounting (the tier's included) is clean.
 
 One request at a time (schemathesis, test_fuzz.py) never found that two identical bad
 constraints killed the scheduler; this finds that class of bug on its own."""
@@ -44,6 +46,10 @@ EDGE_ERRORS = [  # refused before reaching the scheduler
     {"temperature": "hot"},
     {"bogus": 1},
 ]
+# shared heads of a few hundred tokens: the pool (2,048 tokens) evicts them into the tier, and
+# later sets read them back
+LONG = [f"You are assistant number {i} of the {shop} shop. " + f"Answer briefly and name the {shop} aisle. " * 30
+        for i, shop in enumerate(["hardware", "garden", "book", "toy", "shoe", "bike"])]
 
 
 @dataclass(frozen=True)
@@ -54,17 +60,28 @@ class Plan:
     params: dict
     n: int
     stream: bool
-    openai: bool
+    api: str  # "native", "chat", "responses"
     fate: str  # "wait", "abort" (POST /abort_request), "disconnect" (the client goes mid-request)
+    head: int | None = None  # index of a LONG head before the prompt
+
+    @property
+    def openai(self) -> bool:
+        return self.api != "native"
 
     def body(self, rid: str) -> tuple[str, dict]:
         params = {"max_new_tokens": 4, **self.params}
+        text = ("" if self.head is None else LONG[self.head] + "\n") + "Say something."
+        if self.api == "responses":  # (good plans only: plain sampling fields, one sample)
+            body = {"model": "default", "input": text, "stream": self.stream,
+                    "max_output_tokens": params.pop("max_new_tokens")}
+            body.update({k: v for k, v in params.items() if k != "seed"})
+            return "/v1/responses", body
         if self.openai:
-            body = {"model": "default", "messages": [{"role": "user", "content": "Say something."}], "n": self.n,
+            body = {"model": "default", "messages": [{"role": "user", "content": text}], "n": self.n,
                     "stream": self.stream, "max_tokens": params.pop("max_new_tokens")}
             body.update(params)  # (only kinds whose params OpenAI's API also takes go this way)
             return "/v1/chat/completions", body
-        prompt = {"input_ids": [1, 2, FAULT_TOKEN, 5]} if self.kind == "fault" else {"text": "Say something."}
+        prompt = {"input_ids": [1, 2, FAULT_TOKEN, 5]} if self.kind == "fault" else {"text": text}
         return "/generate", {**prompt, "rid": rid, "stream": self.stream, "sampling_params": {**params, "n": self.n}}
 
     @property
@@ -92,9 +109,16 @@ def _plans() -> st.SearchStrategy[Plan]:
         return st.tuples(sampling, extra).map(lambda t: {**t[0], **t[1]})
 
     def plan(k: str) -> st.SearchStrategy[Plan]:
-        openai = st.booleans() if k in ("good", "bad-constraint") else st.just(False)
-        return st.builds(Plan, kind=st.just(k), params=params_for(k), n=st.integers(1, 3), stream=st.booleans(),
-                         openai=openai, fate=st.sampled_from(["wait", "wait", "wait", "abort", "disconnect"]))
+        api = st.sampled_from({"good": ["native", "chat", "responses"], "bad-constraint": ["native", "chat"]}
+                              .get(k, ["native"]))
+        head = st.none() | st.integers(0, len(LONG) - 1) if k != "fault" else st.none()
+
+        def build(api_: str) -> st.SearchStrategy[Plan]:
+            n = st.just(1) if api_ == "responses" else st.integers(1, 3)  # (the Responses API has no n)
+            return st.builds(Plan, kind=st.just(k), params=params_for(k), n=n, stream=st.booleans(), api=st.just(api_),
+                             fate=st.sampled_from(["wait", "wait", "wait", "abort", "disconnect"]), head=head)
+
+        return api.flatmap(build)
 
     return kind.flatmap(plan)
 
@@ -119,6 +143,13 @@ async def _send(client: httpx.AsyncClient, plan: Plan, rid: str) -> tuple[int, l
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
+            if plan.api == "responses":  # no [DONE]: the last event is the response's end
+                assert done == 0, f"an event after the response ended: {line}"
+                events.append(json.loads(line[6:]))
+                done += events[-1]["type"] in RESPONSE_ENDS
+                if plan.fate == "disconnect":
+                    return None
+                continue
             assert done == 0, f"an event after [DONE]: {line}"
             if line == "data: [DONE]":
                 done += 1
@@ -142,8 +173,12 @@ async def _abort_soon(client: httpx.AsyncClient, rid: str) -> None:
     await client.post("/abort_request", json={"rid": rid}, timeout=TIMEOUT)
 
 
+RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed")
+
+
 def _stream_error(events: list[dict]) -> int | None:
     codes = [e["error"]["code"] for e in events if "error" in e]
+    codes += [500 for e in events if e.get("type") == "response.failed"]
     return codes[0] if codes else None
 
 
@@ -158,12 +193,21 @@ async def _run_set(url: str, plans: list[Plan], tag: str) -> list[tuple[Plan, tu
 
 
 @pytest.fixture(scope="module")
-def fuzz_server():
-    # short generations and a short compile limit keep 200 sets within minutes; faults by token
-    srv = LiveServer("--constraint-timeout", "2", "--context-length", "512", "--grammar-backend", "outlines",
+def fuzz_server(tmp_path_factory):
+    # short generations and a short compile limit keep the sets within minutes; faults by token;
+    # the features together, at the default precision, in a pool that must evict into the tier
+    tier = tmp_path_factory.mktemp("fuzz-tier")
+    srv = LiveServer("--quantization", "auto", "--max-total-tokens", "2048", "--constraint-timeout", "2",
+                     "--context-length", "512", "--grammar-backend", "outlines", "--speculative", "ngram",
+                     "--kv-tier-path", str(tier), "--reasoning-parser", "qwen3",
                      launcher=(os.path.join(os.path.dirname(__file__), "faulty_server.py"),))
     yield srv
+    info = httpx.get(srv.url + "/get_server_info", timeout=30).json()
     assert srv.stop() == 0, srv.output()
+    # (how many drafts were checked and blocks read back depends on what the model wrote and on
+    # timing: not asserted; the tier never failed)
+    assert info["speculative_stats"]["method"] == "ngram", info["speculative_stats"]
+    assert info["kv_tier"]["writes_failed"] == 0 and info["kv_tier"]["corrupt_skipped"] == 0, info["kv_tier"]
 
 
 _counter = iter(range(10**9))
@@ -188,6 +232,8 @@ def test_sets_of_concurrent_requests_leave_the_server_serving(fuzz_server, plans
             allowed |= {500}  # it may have shared a batch with the injected fault
         assert got in allowed, f"{plan} got {got}: {answer[-1:]}"
         assert got < 500 or faulted, f"a 5xx without an injected fault: {plan} {answer[-1:]}"
+        if got == 200 and plan.api == "responses" and not plan.stream:
+            assert answer[0]["status"] in ("completed", "incomplete"), answer
         if got == 200 and not plan.stream and not plan.openai:
             outs = answer[0] if isinstance(answer[0], list) else [answer[0]]
             assert len(outs) == plan.n, f"{plan}: {len(outs)} results for n={plan.n}"

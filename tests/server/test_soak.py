@@ -20,6 +20,9 @@ def test_quick_soak_loses_nothing_and_leaks_nothing(tmp_path):
     assert summary["lost"] == 0, summary["lost_examples"]
     assert summary["ok"] + summary["dropped"] + summary["refused"] == summary["requests"] == 200
     assert summary["refused"] > 0 and summary["constrained"] > 0 and summary["streamed"] > 0 and summary["with_tools"] > 0
+    assert summary["responses_api"] > 0 and summary["speculative"]["method"] == "ngram"
+    # the system prompts outgrow the pool: evicted into the tier (and read back), never a failed write
+    assert summary["kv_tier"]["blocks_written"] > 0 and summary["kv_tier"]["writes_failed"] == 0, summary["kv_tier"]
     assert summary["dropped_share"] >= 0.10, summary  # clients walked away mid-request
     assert summary["kv_accounting_ok"] and summary["idle_after_drain"]
     assert summary["leaked_pages"] == 0 and summary["locked_pages_after"] == 0
