@@ -93,6 +93,18 @@ def tiny_llama(tmp_path_factory) -> TinyModel:
     return TinyModel("llama", path)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> str:
+    """A tiny random Qwen3 with a tokenizer and Qwen3's chat template (tiny_qwen3.py), one directory:
+    for server tests of behaviour (start-up, shutdown, processes), which need no real weights and
+    start in half SmolLM2's time."""
+    from tiny_qwen3 import make_tiny_qwen3
+
+    path = str(tmp_path_factory.mktemp("tiny-qwen3"))
+    make_tiny_qwen3(path)
+    return path
+
+
 def smollm2_path() -> str:
     from radixlm.runtime.model_config import default_model_path
 

@@ -1,4 +1,6 @@
-"""Start-up, shutdown and child death of the served process group."""
+"""Start-up, shutdown and child death of the served process group: behaviour that needs no real
+weights, on the tiny Qwen3 (a tokenizer, a chat template, random weights), except where a fault
+token of SmolLM2's vocabulary is fed."""
 
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ def _name(pid: int) -> str:
         return f.read().strip()
 
 
-def test_sigterm_stops_everything_and_removes_sockets():
-    srv = LiveServer("--skip-tokenizer-init")
+def test_sigterm_stops_everything_and_removes_sockets(tiny_qwen3):
+    srv = LiveServer("--model-path", tiny_qwen3, "--skip-tokenizer-init")
     children = srv.child_pids()
     assert len(children) >= 2
     before = {d for d in os.listdir("/tmp") if d.startswith("radixlm-") and os.path.isdir(f"/tmp/{d}")}
@@ -32,8 +34,8 @@ def test_sigterm_stops_everything_and_removes_sockets():
 
 
 @pytest.mark.parametrize("victim,comm", [("scheduler", "radixlm-sched"), ("tokenizer", "radixlm-tok")])
-def test_kill_9_of_a_runtime_process_stops_the_server_and_a_restart_works(victim, comm):
-    srv = LiveServer()
+def test_kill_9_of_a_runtime_process_stops_the_server_and_a_restart_works(victim, comm, tiny_qwen3):
+    srv = LiveServer("--model-path", tiny_qwen3)
     # a constraint starts the scheduler's compiler process: it must not outlive its parent either
     r = httpx.post(srv.url + "/generate", json={"text": "n:", "sampling_params": {"regex": "[0-9]{2}"}}, timeout=120)
     assert r.status_code == 200, r.text
@@ -55,7 +57,7 @@ def test_kill_9_of_a_runtime_process_stops_the_server_and_a_restart_works(victim
     out = srv.output()
     assert code == 1 and "runtime process died" in out and f"{victim} process" in out, out
     assert all_gone(everyone), "processes outlived the server"
-    again = LiveServer("--skip-tokenizer-init", port=srv.port)  # the port is free again
+    again = LiveServer("--model-path", tiny_qwen3, "--skip-tokenizer-init", port=srv.port)  # the port is free again
     try:
         r = httpx.post(again.url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}},
                        timeout=60)

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from server.conftest import LiveServer, assert_kv_clean
-from tiny_qwen3 import make_tiny_qwen3, make_tokenizer
+from tiny_qwen3 import make_tokenizer
 
 END = "</think>"
 END_ID = "401"  # </think> in tiny_qwen3's tokenizer
@@ -28,11 +28,9 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required"
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tiny-qwen3-reasoning"))
-    make_tiny_qwen3(path)
+def srv(tiny_qwen3):
     assert str(make_tokenizer().convert_tokens_to_ids(END)) == END_ID
-    s = LiveServer("--model-path", path, "--reasoning-parser", "qwen3", "--deterministic", "--constraint-timeout", "20")
+    s = LiveServer("--model-path", tiny_qwen3, "--reasoning-parser", "qwen3", "--deterministic", "--constraint-timeout", "20")
     yield s
     assert s.stop() == 0, s.output()
 

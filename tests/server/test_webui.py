@@ -225,8 +225,8 @@ def test_phone_width_fits_without_errors(server):
         browser.quit()
 
 
-def test_with_an_api_key_the_page_asks_for_it():
-    srv = LiveServer("--api-key", "page-key")
+def test_with_an_api_key_the_page_asks_for_it(tiny_qwen3):
+    srv = LiveServer("--model-path", tiny_qwen3, "--api-key", "page-key")  # (behaviour alone: tiny weights)
     browser = _browser()
     try:
         browser.get(srv.url + "/")
