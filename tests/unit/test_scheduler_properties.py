@@ -136,10 +136,13 @@ def workloads(draw):
     heads = draw(st.lists(prefixes, min_size=1, max_size=3))
     arrivals = []
     for _ in range(draw(st.integers(1, 10))):
-        head = draw(st.sampled_from(heads))
-        tail = draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=12))
+        if arrivals and draw(st.integers(0, 3)) == 0:  # a prompt asked before: its continuation is in the
+            prompt = draw(st.sampled_from(arrivals)).prompt  # tree (radix drafts that are right)
+        else:
+            head = draw(st.sampled_from(heads))
+            prompt = (head + draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=12)))[: CONTEXT - 24]
         arrivals.append(Arrival(
-            step=draw(st.integers(0, 12)), prompt=(head + tail)[: CONTEXT - 24], max_new=draw(st.integers(0, 20)),
+            step=draw(st.integers(0, 12)), prompt=prompt, max_new=draw(st.integers(0, 20)),
             ignore_eos=draw(st.booleans()), abort_after=draw(st.none() | st.integers(0, 10)),
         ))
     return arrivals
@@ -157,9 +160,10 @@ def workloads(draw):
     reserve=st.sampled_from([0.0, 0.7]),  # share of max_new_tokens reserved at admission; 0: retract often
     tier=st.booleans(),  # a KV tier (with the radix cache), in blocks of 4 tokens
     overlap=st.booleans(),  # the next step built while this one runs, on a thread of its own
+    speculative=st.sampled_from(["off", "off", "ngram", "radix"]),  # verify rows: drafts kept up to the first miss
 )
 def test_every_request_ends_once_with_the_oracles_tokens(arrivals, page_size, spare_pages, chunk, policy, radix,
-                                                         max_running, reserve, tier, overlap):
+                                                         max_running, reserve, tier, overlap, speculative):
     # the smallest pool that still holds the longest request: tight pools force retraction
     longest = max(len(a.prompt) + a.max_new for a in arrivals)
     num_pages = -(-longest // page_size) + 1 + spare_pages // page_size
@@ -167,7 +171,8 @@ def test_every_request_ends_once_with_the_oracles_tokens(arrivals, page_size, sp
     args = ServerArgs(chunked_prefill_size=chunk, max_prefill_tokens=64, schedule_policy=policy,
                       disable_radix_cache=not radix, max_running_requests=max_running, debug_accounting=True,
                       init_new_token_ratio=reserve, min_new_token_ratio=min(reserve, 0.1), kv_tier_path=folder,
-                      overlap_schedule="on" if overlap else "off")
+                      overlap_schedule="on" if overlap else "off", speculative=speculative,
+                      speculative_num_draft_tokens=3)
     worker = EchoWorker(num_pages, page_size, max_running)
     with mock.patch.object(scheduler_module, "BLOCK_TOKENS", 4):
         sched = Scheduler(args, worker)
@@ -214,6 +219,8 @@ def _run_workload(sched: Scheduler, worker: EchoWorker, arrivals: list[Arrival])
     assert not sched.has_work, "the workload did not drain"
     assert not worker.broken, worker.broken[:3]
     event(f"retracted: {sched.num_retractions > 0}")  # --hypothesis-show-statistics shows the mix
+    if sched.speculator is not None:
+        event(f"drafts checked: {sched.speculator.proposed > 0}, some kept: {sched.speculator.accepted > 0}")
     event(f"aborted: {sum(f[0]['type'] == 'abort' for f in finishes.values()) > 0}")
     for i, a in enumerate(arrivals):
         rid = f"r{i}"
