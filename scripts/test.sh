@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec "${PYTHON:-python3}" -m pytest tests -q --hypothesis-profile=ci --durations=20 "$@"
+exec "${PYTHON:-python3}" -m pytest tests -q --hypothesis-profile=ci --durations=30 "$@"
