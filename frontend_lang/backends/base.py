@@ -77,7 +77,7 @@ class Backend(ABC):
             raise BackendError("the server did not return unconditional_token_logprobs for "
                                "unconditional_likelihood_normalized")
         scores = meta.pop("choice_token_logprobs")
-        for decided in ("choices", "method", "selected_index", "normalized_scores", "greedy_runs"):
+        for decided in ("choices", "method", "selected_index", "normalized_scores", "greedy_logprob_matrix"):
             meta.pop(decided, None)  # the runtime's own decision: the method decides on the client
         return ChoiceLogprobs(_entries(scores), _entries(plain), meta)
 

@@ -74,6 +74,41 @@ class Matcher(ABC):
         """The bytes every continuation starts with; `ends` when after them only EOS may follow."""
 
 
+def check_rollback(n: int, allowed: int) -> None:
+    """Every backend's refusal of a rollback past what it can undo (never an assert: under
+    python -O the check, and a rollback written inside one, would vanish)."""
+    if not 0 <= n <= allowed:
+        raise ValueError(f"cannot roll back {n} tokens: at most {allowed} can be")
+
+
+class CountedMatcher(Matcher):
+    """A matcher over a library that rolls back what it took but does not say how much that is
+    (llguidance, xgrammar): the count of tokens advanced and not rolled back is kept here, once."""
+
+    _taken = 0
+
+    def advance(self, token: int) -> None:
+        self._advance(token)
+        self._taken += 1
+
+    @property
+    def max_rollback(self) -> int:
+        return self._taken
+
+    def rollback(self, n: int) -> None:
+        check_rollback(n, self._taken)
+        self._rollback(n)
+        self._taken -= n
+
+    @abstractmethod
+    def _advance(self, token: int) -> None:
+        """Take `token` in the library's matcher (raise if it refuses)."""
+
+    @abstractmethod
+    def _rollback(self, n: int) -> None:
+        """Undo the library's last `n` tokens, n <= max_rollback."""
+
+
 class Builder(ABC):
     """The half of a compile that may run in the compiler process: picklable, sent there once."""
 

@@ -17,7 +17,9 @@ from typing import Any
 
 import llguidance
 
-from radixlm.runtime.constrained.backend import Builder, ConstraintKey, GrammarBackend, GrammarError, Matcher
+from radixlm.runtime.constrained.backend import (
+    Builder, ConstraintKey, CountedMatcher, GrammarBackend, GrammarError, Matcher,
+)
 from radixlm.runtime.constrained.constraint_regex import DTYPE_REGEXES, load_schema, structural_tag
 from radixlm.runtime.constrained.jump_forward import Forced
 
@@ -136,11 +138,10 @@ class LLGuidanceBackend(GrammarBackend):
         return LLGuidanceMatcher(grammar.deep_copy(), self.executor)
 
 
-class LLGuidanceMatcher(Matcher):
+class LLGuidanceMatcher(CountedMatcher):
     def __init__(self, matcher: llguidance.LLMatcher, executor: llguidance.LLExecutor) -> None:
         self.matcher = matcher
         self._executor = executor
-        self._taken = 0  # tokens advanced and not rolled back
 
     @classmethod
     def fill_masks(cls, rows: Sequence[tuple[int, Matcher]], mask: Any) -> None:
@@ -153,10 +154,9 @@ class LLGuidanceMatcher(Matcher):
     def fill_mask(self, row: Any) -> None:
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
 
-    def advance(self, token: int) -> None:
+    def _advance(self, token: int) -> None:
         if not self.matcher.consume_token(token):
             raise ValueError(f"llguidance refused token {token}: {self.matcher.get_error()}")
-        self._taken += 1
 
     def accepts(self, tokens: Sequence[int]) -> bool:
         return self.matcher.validate_tokens(list(tokens)) == len(tokens)
@@ -164,17 +164,9 @@ class LLGuidanceMatcher(Matcher):
     def can_end(self) -> bool:
         return self.matcher.is_accepting()
 
-    @property
-    def max_rollback(self) -> int:
-        return self._taken
-
-    def rollback(self, n: int) -> None:
-        # (never inside an assert: under python -O the rollback itself would vanish)
-        if not 0 <= n <= self._taken:
-            raise ValueError(f"cannot roll back {n} tokens: at most {self._taken} can be")
-        if not self.matcher.rollback(n):
+    def _rollback(self, n: int) -> None:
+        if not self.matcher.rollback(n):  # (its result checked here, never inside an assert)
             raise RuntimeError(f"llguidance could not roll back {n} tokens: {self.matcher.get_error()}")
-        self._taken -= n
 
     def forced(self) -> Forced:
         text = self.matcher.compute_ff_bytes()

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from outlines_core import Guide, Index, Vocabulary
 
-from radixlm.runtime.constrained.backend import Builder, ConstraintKey, GrammarBackend, Matcher
+from radixlm.runtime.constrained.backend import Builder, ConstraintKey, GrammarBackend, Matcher, check_rollback
 from radixlm.runtime.constrained.constraint_regex import build_index, uses_end_mark
 from radixlm.runtime.constrained.jump_forward import RETOKENIZE_TOKENS, Forced
 from radixlm.runtime.constrained.vocabulary import end_token_id, vocabulary_from_bytes
@@ -150,9 +150,7 @@ class OutlinesMatcher(Matcher):
         return self.guide.get_allowed_rollback()
 
     def rollback(self, n: int) -> None:
-        allowed = self.guide.get_allowed_rollback()
-        if not 0 <= n <= allowed:
-            raise ValueError(f"cannot roll back {n} tokens: at most {allowed} can be")
+        check_rollback(n, self.guide.get_allowed_rollback())
         self.guide.rollback_state(n)
 
     def forced(self) -> Forced:

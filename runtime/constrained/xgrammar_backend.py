@@ -17,7 +17,9 @@ from typing import Any
 
 import xgrammar
 
-from radixlm.runtime.constrained.backend import Builder, ConstraintKey, GrammarBackend, GrammarError, Matcher
+from radixlm.runtime.constrained.backend import (
+    Builder, ConstraintKey, CountedMatcher, GrammarBackend, GrammarError, Matcher,
+)
 from radixlm.runtime.constrained.constraint_regex import DTYPE_REGEXES, load_schema, structural_tag
 from radixlm.runtime.constrained.jump_forward import Forced
 from radixlm.runtime.token_mask import allocate_mask, forbid_token
@@ -104,11 +106,10 @@ class XGrammarBackend(GrammarBackend):
         return XGrammarMatcher(xgrammar.GrammarMatcher(grammar), self)
 
 
-class XGrammarMatcher(Matcher):
+class XGrammarMatcher(CountedMatcher):
     def __init__(self, matcher: xgrammar.GrammarMatcher, backend: XGrammarBackend) -> None:
         self.matcher = matcher
         self._backend = backend
-        self._taken = 0  # tokens advanced and not rolled back
 
     @classmethod
     def fill_masks(cls, rows: Sequence[tuple[int, Matcher]], mask: Any) -> None:
@@ -118,10 +119,9 @@ class XGrammarMatcher(Matcher):
     def fill_mask(self, row: Any) -> None:
         self.matcher.fill_next_token_bitmask(row)
 
-    def advance(self, token: int) -> None:
+    def _advance(self, token: int) -> None:
         if not self.matcher.accept_token(token):
             raise ValueError(f"xgrammar refused token {token}")
-        self._taken += 1
 
     def accepts(self, tokens: Sequence[int]) -> bool:
         taken = 0
@@ -136,15 +136,8 @@ class XGrammarMatcher(Matcher):
     def can_end(self) -> bool:
         return self.matcher.is_completed()
 
-    @property
-    def max_rollback(self) -> int:
-        return self._taken
-
-    def rollback(self, n: int) -> None:
-        if not 0 <= n <= self._taken:
-            raise ValueError(f"cannot roll back {n} tokens: at most {self._taken} can be")
+    def _rollback(self, n: int) -> None:
         self.matcher.rollback(n)
-        self._taken -= n
 
     def forced(self) -> Forced:
         text = self.matcher.find_jump_forward_string().encode()

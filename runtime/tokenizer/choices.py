@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from radixlm.runtime.constrained.choices import METHODS, ChoiceGroup, choice_boundary, greedy_run, result_meta
+from radixlm.runtime.constrained.choices import BY_NAME, METHODS, ChoiceGroup, choice_boundary, result_meta
 from radixlm.runtime.messages import GenerateRequest, TokenizedRequest
 from radixlm.runtime.native import BadRequest
 from radixlm.runtime.sampling_params import SamplingParams
@@ -53,7 +53,7 @@ def scoring_requests(prep: RequestPreparer, req: GenerateRequest, client: bytes 
         full = tok.encode(prompt_text + choice, add_special_tokens=False)
         scored.append((full, choice_boundary(prompt_ids, full)))
     group = ChoiceGroup(req.rid, client, choices, method, [b for _, b in scored], prompt_tokens=len(prompt_ids))
-    if method == "unconditional_likelihood_normalized":
+    if BY_NAME[method].requires_unconditional_logprobs:
         # the same tokens after nothing but a start-of-text token
         start_token = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
         scored += [([start_token, *tok.encode(c, add_special_tokens=False)], 1) for c in choices]
@@ -62,22 +62,19 @@ def scoring_requests(prep: RequestPreparer, req: GenerateRequest, client: bytes 
             raise BadRequest(f"prompt plus choice {i % len(choices)} exceeds the context length")
         if len(ids) < 2:
             raise BadRequest(f"choice {choices[i % len(choices)]!r} is too short to score without the prompt")
-    top = 1 if method == "greedy_token" else 0
-    return ChoiceScoring(group, [TokenizedRequest(f"{req.rid}\x00choice{i}", ids, params, True, start, top)
+    return ChoiceScoring(group, [TokenizedRequest(f"{req.rid}\x00choice{i}", ids, params, True, start)
                                  for i, (ids, start) in enumerate(scored)])
 
 
 def record_score(group: ChoiceGroup, slot: int, scored: RequestOutput) -> None:
     """Scoring request `slot` has finished with these outputs."""
     n = len(group.choices)
-    logprobs = [lp for lp, *_ in (scored.input_logprobs or []) if lp is not None]
+    tokens = [list(entry) for entry in (scored.input_logprobs or []) if entry[0] is not None]
     if slot < n:
-        group.conditional[slot] = logprobs
+        group.conditional[slot] = tokens
         group.cached_tokens = max(group.cached_tokens, scored.cached_tokens)
-        if group.method == "greedy_token":
-            group.greedy_runs[slot] = greedy_run(scored.input_logprobs or [], scored.input_top_logprobs or [])
     else:
-        group.unconditional[slot - n] = logprobs
+        group.unconditional[slot - n] = tokens
 
 
 def answer(group: ChoiceGroup) -> tuple[str, dict[str, Any]]:

@@ -11,7 +11,6 @@ from conftest import TINY_VOCAB
 from helpers import assert_drained
 from radixlm.runtime.native import BadRequest, native_requests
 from radixlm.runtime.sampling_params import SamplingParamsError
-from radixlm.runtime.scheduler.scheduler import RequestError
 
 # native bodies LocalEngine.generate and the served /generate both refuse (the tiny model: no tokenizer)
 BAD = [
@@ -81,9 +80,9 @@ def test_logprob_start_len_range(tiny_llama):
 
 def test_a_batch_the_scheduler_refuses_part_of_leaves_nothing_behind(tiny_llama):
     engine = tiny_llama.engine()
-    with pytest.raises(RequestError, match="already in flight"):
+    with pytest.raises(BadRequest, match="already in flight"):
         engine.generate(input_ids=[[5, 6], [7, 8]], rid=["same", "same"], sampling_params={"max_new_tokens": 4})
-    with pytest.raises(RequestError, match="does not fit"):
+    with pytest.raises(BadRequest, match="does not fit"):
         engine.generate(input_ids=[[5, 6], [7, 8]], sampling_params=[{}, {"max_new_tokens": 5000}])
     assert_drained(engine)
 
@@ -121,7 +120,7 @@ def test_choices_on_the_local_engine(smol):
     out = engine.generate([prompt, CHAT.format("Is water wet?")], [
         {"choices": choices, "choices_method": "greedy_token"},
         {"choices": ["Yes", "No"], "choices_method": "unconditional_likelihood_normalized"}])
-    assert out[0]["meta_info"]["method"] == "greedy_token" and len(out[0]["meta_info"]["greedy_runs"]) == 3
+    assert out[0]["meta_info"]["method"] == "greedy_token" and len(out[0]["meta_info"]["greedy_logprob_matrix"]) == 3
     assert out[1]["meta_info"]["method"] == "unconditional_likelihood_normalized"
     assert out[1]["text"] in ("Yes", "No") and len(out[1]["meta_info"]["unconditional_token_logprobs"]) == 2
     plain = engine.generate(prompt, {"max_new_tokens": 3, "temperature": 0})

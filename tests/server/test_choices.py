@@ -56,7 +56,11 @@ def test_unconditional_method_and_bad_choices(server):
     assert_kv_clean(server.url)
 
 
-def test_greedy_token_method_follows_hf_argmax(server, smol):
+def test_greedy_token_method_is_sglangs_greedy_token_selection_on_hfs_logprobs(server, smol):
+    """greedy_token is SGLang's greedy_token_selection, the language's and the server's alike: token
+    by token, keep the choices with the highest logprob at that position (a shorter choice goes on
+    with its own mean) until one is left; here on logprobs HF computes on the same weights. (The
+    server used to pick the choice greedy decoding follows furthest: another method by that name.)"""
     from radixlm.runtime.constrained.choices import choice_boundary
 
     prompt = CHAT.format("What is the capital of France?")
@@ -65,18 +69,23 @@ def test_greedy_token_method_follows_hf_argmax(server, smol):
         "choices": choices, "choices_method": "greedy_token"}}, timeout=120).json()
     tok = smol.engine.tokenizer
     prompt_ids = tok.encode(prompt, add_special_tokens=False)
-    keys = []
+    rows = []
     for c in choices:
         full = tok.encode(prompt + c, add_special_tokens=False)
         start = choice_boundary(prompt_ids, full)
         with torch.inference_mode():
             lp = torch.log_softmax(smol.hf(torch.tensor([full])).logits[0].float(), dim=-1)
-        run = 0
-        for i in range(start, len(full)):
-            if int(lp[i - 1].argmax()) != full[i]:
-                break
-            run += 1
-        keys.append((run, _hf_normalised(smol, prompt_ids, full, start)))
-    best = max(range(len(choices)), key=keys.__getitem__)
-    assert res["meta_info"]["greedy_runs"] == [k[0] for k in keys]
-    assert res["meta_info"]["selected_index"] == best and res["text"] == choices[best]
+        rows.append([lp[i - 1, full[i]].item() for i in range(start, len(full))])
+    width = max(map(len, rows))
+    padded = [r + [sum(r) / len(r)] * (width - len(r)) for r in rows]
+    left = list(range(len(choices)))
+    for column in range(width):  # (a tie within 1e-4 would make the oracle's pick unsure: none here)
+        best = max(padded[i][column] for i in left)
+        left = [i for i in left if padded[i][column] > best - 1e-4]
+        if len(left) == 1:
+            break
+    assert len(left) == 1
+    meta = res["meta_info"]
+    assert meta["selected_index"] == left[0] and res["text"] == choices[left[0]]
+    assert [len(r) for r in meta["greedy_logprob_matrix"]] == [width] * len(choices)
+    assert meta["greedy_logprob_matrix"] == [pytest.approx(r, abs=1e-3) for r in padded]
