@@ -284,6 +284,30 @@ def test_a_fault_in_one_requests_bookkeeping_fails_it_alone(site, page_size, ove
     assert not sched.worker.broken
 
 
+def _drive(sched: Scheduler, requests: dict[str, list[int]], new: int = 8,
+           late: tuple[int, str, list[int], int] | None = None) -> tuple[dict, dict]:
+    """Every request at once (and `late` = (step, id, prompt, new tokens) added before that step),
+    stepped to the end, greedy: (tokens, finishes) by id."""
+    def add(rid: str, prompt: list[int], n: int) -> None:
+        sched.add_request(TokenizedRequest(rid, prompt, SamplingParams(max_new_tokens=n, ignore_eos=True,
+                                                                       temperature=0)))
+
+    for rid, prompt in requests.items():
+        add(rid, prompt, new)
+    tokens = {rid: [] for rid in [*requests, *([late[1]] if late else [])]}
+    finishes = {rid: [] for rid in tokens}
+    step = 0
+    while sched.has_work:
+        if late is not None and step == late[0]:
+            add(*late[1:])
+        for out in sched.step():
+            tokens[out.rid] += out.new_token_ids
+            if out.finish_reason:
+                finishes[out.rid].append(out.finish_reason)
+        step += 1
+    return tokens, finishes
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_an_overlapped_step_that_raises_fails_its_requests_alone(page_size, caplog):
     """With overlap, the model raises on a step while the next one is already launched (its
@@ -302,21 +326,8 @@ def test_an_overlapped_step_that_raises_fails_its_requests_alone(page_size, capl
 
     worker.forward = faulty
     prompts = {"r0": [3, 4, 5, 6], "r1": [7, 8, 9]}
-    for rid, prompt in prompts.items():
-        sched.add_request(TokenizedRequest(rid, prompt, SamplingParams(max_new_tokens=12, ignore_eos=True,
-                                                                       temperature=0)))
-    tokens = {rid: [] for rid in [*prompts, "late"]}
-    finishes = {rid: [] for rid in tokens}
-    step = 0
-    while sched.has_work:
-        if step == 4:  # arrives while the faulty step runs: prefilled in the step launched beside it
-            sched.add_request(TokenizedRequest("late", [11, 12, 13], SamplingParams(
-                max_new_tokens=8, ignore_eos=True, temperature=0)))
-        for out in sched.step():
-            tokens[out.rid] += out.new_token_ids
-            if out.finish_reason:
-                finishes[out.rid].append(out.finish_reason)
-        step += 1
+    # "late" arrives while the faulty step runs: prefilled in the step launched beside it
+    tokens, finishes = _drive(sched, prompts, 12, late=(4, "late", [11, 12, 13], 8))
     for rid in prompts:
         [failed] = finishes[rid]
         assert failed["status"] == 500 and "running the model" in failed["message"], failed
@@ -364,21 +375,8 @@ def test_a_bad_prompt_beside_decodes_fails_alone_with_or_without_overlap(overlap
 
     worker.forward = faulty
     prompts = {"r0": [3, 4, 5, 6], "r1": [7, 8, 9]}
-    for rid, prompt in prompts.items():
-        sched.add_request(TokenizedRequest(rid, prompt, SamplingParams(max_new_tokens=12, ignore_eos=True,
-                                                                       temperature=0)))
-    tokens = {rid: [] for rid in [*prompts, "bad"]}
-    finishes = {rid: [] for rid in tokens}
-    step = 0
-    while sched.has_work:
-        if step == 3:  # both decoding by now (one step in flight with overlap)
-            sched.add_request(TokenizedRequest("bad", [11, bad_token, 12], SamplingParams(
-                max_new_tokens=8, ignore_eos=True, temperature=0)))
-        for out in sched.step():
-            tokens[out.rid] += out.new_token_ids
-            if out.finish_reason:
-                finishes[out.rid].append(out.finish_reason)
-        step += 1
+    # "bad" comes when both decode (one step in flight with overlap)
+    tokens, finishes = _drive(sched, prompts, 12, late=(3, "bad", [11, bad_token, 12], 8))
     assert mixed and mixed[0] == 2, "the bad prompt was admitted beside both decodes"
     [failed] = finishes["bad"]
     assert failed["status"] == 500 and "running the model" in failed["message"], failed
@@ -457,19 +455,6 @@ def test_building_a_batch_makes_no_copy_that_waits_for_the_device(monkeypatch):
                                        last.repetition_penalties, last.frequency_penalties)), last
 
 
-def _drive(sched: Scheduler, requests: dict[str, list[int]], new: int = 8) -> tuple[dict, dict]:
-    """Every request at once, stepped to the end: (tokens, finishes) by id."""
-    for rid, prompt in requests.items():
-        sched.add_request(TokenizedRequest(rid, prompt, SamplingParams(max_new_tokens=new, ignore_eos=True,
-                                                                       temperature=0)))
-    tokens = {rid: [] for rid in requests}
-    finishes = {rid: [] for rid in requests}
-    while sched.has_work:
-        for out in sched.step():
-            tokens[out.rid] += out.new_token_ids
-            if out.finish_reason:
-                finishes[out.rid].append(out.finish_reason)
-    return tokens, finishes
 
 
 def _clean(sched: Scheduler) -> None:
