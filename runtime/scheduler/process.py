@@ -14,7 +14,8 @@ from radixlm.runtime.args import ServerArgs
 from radixlm.runtime.constrained.grammar import compiler_factory
 from radixlm.runtime.messages import AbortRequest, BatchTokenOutput, ControlOutput, ControlRequest, TokenizedRequest, TokenOutput
 from radixlm.runtime.sampling_params import SamplingParamsError
-from radixlm.runtime.scheduler.scheduler import DeviceLost, RequestError, Scheduler
+from radixlm.runtime.native import BadRequest
+from radixlm.runtime.scheduler.scheduler import DeviceLost, Scheduler
 
 log = logging.getLogger("radixlm.scheduler")
 
@@ -102,7 +103,7 @@ class SchedulerProcess:
         if isinstance(msg, TokenizedRequest):
             try:
                 self.scheduler.add_request(msg)
-            except (RequestError, SamplingParamsError) as e:
+            except (BadRequest, SamplingParamsError) as e:
                 self._send([_refused(msg, str(e))])
             except Exception:  # noqa: BLE001 - our bug, on this request alone: a 500, and serve on
                 error_id = uuid.uuid4().hex[:12]

@@ -44,11 +44,6 @@ from radixlm.runtime.worker.model_worker import ModelWorker, WorkerOutput
 log = logging.getLogger(__name__)
 
 
-# A request the scheduler cannot take (the message says why): the 400 that request preparation
-# raises, so a caller catches one error whichever of the two refused.
-RequestError = BadRequest
-
-
 class StepRecord(NamedTuple):
     """One step, as the dashboard shows it."""
 
@@ -146,20 +141,20 @@ class Scheduler:
     # ---- API ---------------------------------------------------------------------------------
 
     def add_request(self, tr: TokenizedRequest) -> None:
-        """Queue a request; RequestError (or SamplingParamsError) when it cannot run. The front doors
+        """Queue a request; BadRequest (or SamplingParamsError) when it cannot run. The front doors
         prepared it (tokenizer/prepare.py); what is checked here is what must hold whoever made it:
         ids that index the embedding and fit the context, the pool, the vocabulary and the room left."""
         vocab = self.worker.config.vocab_size
         check_prompt_ids(tr.input_ids, vocab, self.context_length)
         if tr.rid in self._live:
-            raise RequestError(f"request id {tr.rid!r} is already in flight")
+            raise BadRequest(f"request id {tr.rid!r} is already in flight")
         if pages_for(len(tr.input_ids), self.kv.page_size) > self.kv.num_pages:
-            raise RequestError(f"the prompt has {len(tr.input_ids)} tokens; the KV cache pool holds "
+            raise BadRequest(f"the prompt has {len(tr.input_ids)} tokens; the KV cache pool holds "
                                f"{self.kv.num_pages * self.kv.page_size} (raise --max-total-tokens)")
         tr.sampling_params.validate(vocab)
         room = self.context_length - len(tr.input_ids)
         if tr.sampling_params.max_new_tokens > room:
-            raise RequestError(
+            raise BadRequest(
                 f"max_new_tokens={tr.sampling_params.max_new_tokens} does not fit: the prompt has "
                 f"{len(tr.input_ids)} tokens and the context length is {self.context_length}, so at most {room}"
             )
@@ -213,12 +208,12 @@ class Scheduler:
     def _compiler(self) -> GrammarCompiler:
         if self._grammar is None:
             if self._make_grammar is None:
-                raise RequestError("constrained decoding (regex, json_schema) needs a tokenizer")
+                raise BadRequest("constrained decoding (regex, json_schema) needs a tokenizer")
             try:
                 self._grammar = self._make_grammar()
             except Exception as e:  # noqa: BLE001 - e.g. a model without an EOS token: refuse, serve on
                 log.exception("the constraint compiler could not start")
-                raise RequestError(f"constrained decoding is not available for this model: {e}") from None
+                raise BadRequest(f"constrained decoding is not available for this model: {e}") from None
         return self._grammar
 
     @property

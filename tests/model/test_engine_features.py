@@ -12,7 +12,7 @@ from helpers import assert_drained
 from oracle import LOGPROB_TOL, assert_matches, hf_logprobs
 from radixlm.runtime.messages import TokenizedRequest
 from radixlm.runtime.sampling_params import SamplingParams, SamplingParamsError
-from radixlm.runtime.scheduler.scheduler import RequestError
+from radixlm.runtime.native import BadRequest
 
 
 def _count_fed_tokens(engine) -> list[int]:
@@ -180,7 +180,7 @@ def test_abort_releases_kv(tiny_llama):
     out = sched.abort("a1")
     assert out is not None and out.finish_reason["type"] == "abort"
     assert sched.abort("nope") is None and sched.abort("a1") is None
-    with pytest.raises(RequestError, match="already in flight"):
+    with pytest.raises(BadRequest, match="already in flight"):
         sched.add_request(TokenizedRequest("a0", [5, 6], SamplingParams()))
     while sched.has_work:
         sched.step()
@@ -193,11 +193,11 @@ def test_bad_requests_raise_clear_errors(tiny_llama):
         engine.generate(input_ids=[5, 6], sampling_params={"max_tokens": 3})
     with pytest.raises(SamplingParamsError, match="top_p"):
         engine.generate(input_ids=[5, 6], sampling_params={"top_p": 1.5})
-    with pytest.raises(RequestError, match="empty"):
+    with pytest.raises(BadRequest, match="empty"):
         engine.generate(input_ids=[], sampling_params={})
-    with pytest.raises(RequestError, match="context length"):
+    with pytest.raises(BadRequest, match="context length"):
         engine.generate(input_ids=[5] * 5000)
-    with pytest.raises(RequestError, match=str(TINY_VOCAB)):
+    with pytest.raises(BadRequest, match=str(TINY_VOCAB)):
         engine.generate(input_ids=[5, TINY_VOCAB + 3])
     with pytest.raises(ValueError, match="input_ids"):
         engine.generate("text but no tokenizer")

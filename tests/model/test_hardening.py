@@ -13,7 +13,7 @@ from helpers import assert_drained
 from oracle import assert_matches, hf_greedy
 from radixlm.runtime.messages import TokenizedRequest
 from radixlm.runtime.sampling_params import SamplingParams
-from radixlm.runtime.scheduler.scheduler import RequestError
+from radixlm.runtime.native import BadRequest
 
 GREEDY = dict(max_new_tokens=12, temperature=0)
 
@@ -293,7 +293,7 @@ def test_a_lone_request_that_fills_the_pool_ends_with_length(tiny_llama, page_si
 
 def test_a_prompt_larger_than_the_pool_is_refused_up_front(tiny_llama):
     engine = tiny_llama.engine(max_total_tokens=32)
-    with pytest.raises(RequestError, match="max-total-tokens"):
+    with pytest.raises(BadRequest, match="max-total-tokens"):
         engine.generate(input_ids=tiny_llama.prompts[8], sampling_params={"max_new_tokens": 4})
     ok = engine.generate(input_ids=tiny_llama.prompts[2][:8], sampling_params={"max_new_tokens": 4})
     assert ok["meta_info"]["finish_reason"]["type"] == "length"
