@@ -146,6 +146,10 @@ def create_router_app(router: Router, api_key: str | None = None, max_request_by
     async def models() -> Response:
         return await _forward_get(client, router, "/v1/models")
 
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        return await _forward_get(client, router, f"/v1/models/{model}")
+
     @app.get("/get_model_info")
     async def model_info() -> Response:
         return await _forward_get(client, router, "/get_model_info")

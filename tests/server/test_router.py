@@ -88,7 +88,10 @@ def test_answers_equal_a_replicas_own_and_streams_pass_through(replicas, tiny_ll
             "model": "default", "prompt": tiny_llama.prompts[0], "max_tokens": 8, "temperature": 0}, timeout=60)
         assert completion.status_code == 200, completion.text  # the OpenAI API passes through too
         assert completion.json()["usage"]["completion_tokens"] == 8
-        assert httpx.get(url + "/v1/models", timeout=10).json()["data"]
+        models = httpx.get(url + "/v1/models", timeout=10).json()["data"]
+        assert models
+        one = httpx.get(url + f"/v1/models/{models[0]['id']}", timeout=10)  # answered by a replica
+        assert one.status_code == 200 and one.json()["id"] == models[0]["id"], one.text
         bad = httpx.post(url + "/generate", content=b"{not json", timeout=30)
         assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
     finally:
