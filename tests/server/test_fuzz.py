@@ -14,7 +14,8 @@ from server.conftest import LiveServer, assert_kv_clean
 @pytest.fixture(scope="module")
 def fuzz_server():
     # a short context bounds what one fuzzed request may generate, so a run stays quick
-    srv = LiveServer("--context-length", "32", "--constraint-timeout", "10")
+    # (behaviour alone: the default precision, where the exact-token tests pin --quantization none)
+    srv = LiveServer("--quantization", "auto", "--context-length", "32", "--constraint-timeout", "10")
     yield srv
     assert srv.stop() == 0, srv.output()
 

@@ -108,7 +108,7 @@ def test_n_samples_under_one_seed_differ_and_reproduce(server, api):
 
 @pytest.fixture(scope="module")
 def faulty_server():
-    srv = LiveServer("--skip-tokenizer-init", launcher=FAULTY)
+    srv = LiveServer("--quantization", "auto", "--skip-tokenizer-init", launcher=FAULTY)  # behaviour: the default precision
     yield srv
     srv.stop()
 
