@@ -111,7 +111,8 @@ BAD = [
     (dict(text="Pick", sampling_params={"choices": ["a", 3]}), BadRequest,
      "choices must be a non-empty list of non-empty strings"),
     (dict(text="Pick", sampling_params={"choices": ["a"], "choices_method": "vibes"}), BadRequest,
-     "choices_method must be one of token_length_normalized, greedy_token, unconditional_likelihood_normalized"),
+     "choices_method must be one of token_length_normalized, greedy_token, greedy_token_selection, "
+     "unconditional_likelihood_normalized"),
     (dict(text="Pick", sampling_params={"choices": [" apple" * CONTEXT]}), BadRequest,
      "prompt plus choice 0 exceeds the context length"),
 ]
