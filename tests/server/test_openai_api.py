@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 
 import httpx
 import openai
@@ -36,7 +35,7 @@ def test_chat_matches_native_greedy_and_counts_cached_tokens(client, server, smo
     def prompt_ids(msgs):
         return tok.encode(smol.engine.apply_chat_template(msgs), add_special_tokens=False)
 
-    earlier, msgs = chat(uuid.uuid4().hex), chat(uuid.uuid4().hex)
+    earlier, msgs = chat("cached-tokens one"), chat("cached-tokens two")  # fixed: a rerun sees the same path
     client.chat.completions.create(model="default", messages=earlier, max_tokens=1)
     shared = common_prefix(prompt_ids(earlier), prompt_ids(msgs))
     assert shared > 0  # the template's start, "<|im_start|>system\nSession"
