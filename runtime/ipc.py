@@ -21,6 +21,7 @@ _TYPES = {
     for cls in (
         messages.GenerateRequest, messages.AbortRequest, messages.ControlRequest, messages.ClientOutput,
         messages.ControlOutput, messages.TokenizedRequest, messages.TokenOutput, messages.BatchTokenOutput,
+        messages.SchedulerLimits,
     )
 }
 

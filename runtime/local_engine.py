@@ -15,7 +15,7 @@ from radixlm.runtime.args import ServerArgs
 from radixlm.runtime.constrained.grammar import compiler_factory
 from radixlm.runtime.messages import GenerateRequest, TokenizedRequest, TokenOutput
 from radixlm.runtime.model_config import resolve_model
-from radixlm.runtime.native import GenerateAPI
+from radixlm.runtime.native import BadRequest, GenerateAPI
 from radixlm.runtime.scheduler.scheduler import Scheduler
 from radixlm.runtime.tokenizer.choices import ChoiceScoring, answer, is_choices, record_score, scoring_requests
 from radixlm.runtime.tokenizer.loader import chat_prompt, load_tokenizer
@@ -43,7 +43,7 @@ class LocalEngine(GenerateAPI):
         self.scheduler = Scheduler(self.args, self.worker, decode=self._decode_plain if tokenizer else None,
                                    grammar=grammar)
         self.prep = RequestPreparer(tokenizer, self.worker.config.vocab_size, self.worker.context_length,
-                                    self.args.reasoning_parser)
+                                    self.worker.num_pages * self.worker.page_size, self.args.reasoning_parser)
 
     def _decode_plain(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -55,6 +55,9 @@ class LocalEngine(GenerateAPI):
     def _run_requests(self, reqs: list[GenerateRequest]) -> list[dict[str, Any]]:
         # every request is prepared (and so checked) before any is submitted
         plans = [scoring_requests(self.prep, r) if is_choices(r) else self.prep.prepare(r) for r in reqs]
+        rids = [r.rid for r in reqs]  # the scheduler trusts what it is given: no id twice (manager.py checks in flight)
+        if len(set(rids)) < len(rids):
+            raise BadRequest(f"request id {next(r for r in rids if rids.count(r) > 1)!r} is already in flight")
         trs = [tr for p in plans for tr in (p.requests if isinstance(p, ChoiceScoring) else [p])]
         collected = self._collect(trs)
         results = []

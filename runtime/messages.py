@@ -132,6 +132,13 @@ class TokenOutput:
 
 
 @dataclass
+class SchedulerLimits:
+    """Sent once, when the scheduler starts: what requests are checked against that only it knows."""
+
+    kv_pool_tokens: int  # the KV cache pool's size: a longer prompt can never run
+
+
+@dataclass
 class BatchTokenOutput:
     """Every request's progress from one scheduler step, in one message."""
 

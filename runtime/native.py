@@ -25,18 +25,6 @@ class BadRequest(ValueError):
     """The body is malformed; the message says what was wrong."""
 
 
-def check_prompt_ids(ids: Sequence[int], vocab_size: int, context_length: int) -> None:
-    """What every prompt's ids must satisfy: not empty, in the vocabulary, and room for one new token.
-    (The scheduler checks again, as its last line: a TokenizedRequest may come from anywhere.)"""
-    if not ids:
-        raise BadRequest("the prompt is empty")
-    if min(ids) < 0 or max(ids) >= vocab_size:
-        raise BadRequest(f"input_ids must lie in [0, {vocab_size})")
-    if len(ids) >= context_length:
-        raise BadRequest(f"the prompt has {len(ids)} tokens; the context length is {context_length} "
-                         "(prompt plus at least one new token must fit)")
-
-
 NATIVE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
                  "top_logprobs_num", "return_text_in_logprobs", "rid", "messages", "tools",
                  "chat_template_kwargs", "require_reasoning", "log_metrics"}

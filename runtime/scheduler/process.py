@@ -12,8 +12,8 @@ import zmq
 from radixlm.runtime import ipc
 from radixlm.runtime.args import ServerArgs
 from radixlm.runtime.constrained.grammar import compiler_factory
-from radixlm.runtime.messages import AbortRequest, BatchTokenOutput, ControlOutput, ControlRequest, TokenizedRequest, TokenOutput
-from radixlm.runtime.sampling_params import SamplingParamsError
+from radixlm.runtime.messages import (AbortRequest, BatchTokenOutput, ControlOutput, ControlRequest, SchedulerLimits,
+                                      TokenizedRequest, TokenOutput)
 from radixlm.runtime.native import BadRequest
 from radixlm.runtime.scheduler.scheduler import DeviceLost, Scheduler
 
@@ -43,6 +43,8 @@ class SchedulerProcess:
         self.ctx = zmq.Context()
         self.inbox = ipc.socket(self.ctx, zmq.PULL, recv_from, bind=False)
         self.outbox = ipc.socket(self.ctx, zmq.PUSH, send_to, bind=False)
+        # the tokenizer process checks requests against these before it takes any (TokenizerManager.run_forever)
+        self.outbox.send(ipc.encode(SchedulerLimits(kv_pool_tokens=self.worker.num_pages * self.worker.page_size)))
         self._stepping = self._stopping = False
         signal.signal(signal.SIGTERM, self._on_terminate)
 
@@ -103,7 +105,7 @@ class SchedulerProcess:
         if isinstance(msg, TokenizedRequest):
             try:
                 self.scheduler.add_request(msg)
-            except (BadRequest, SamplingParamsError) as e:
+            except BadRequest as e:  # constrained decoding could not start for this model
                 self._send([_refused(msg, str(e))])
             except Exception:  # noqa: BLE001 - our bug, on this request alone: a 500, and serve on
                 error_id = uuid.uuid4().hex[:12]

@@ -28,7 +28,7 @@ from radixlm.runtime.constrained.backend import GrammarError
 from radixlm.runtime.constrained.grammar import GrammarCompiler, constraint_key
 from radixlm.runtime.constrained.reasoning_gate import ReasoningGate
 from radixlm.runtime.messages import CONSTRAINT_NOT_GIVEN, TokenizedRequest, TokenOutput
-from radixlm.runtime.native import BadRequest, check_prompt_ids
+from radixlm.runtime.native import BadRequest
 from radixlm.runtime.sampling_params import STOP_REGEX_WINDOW
 from radixlm.runtime.scheduler.admission import Admitted, admit, step_budget
 from radixlm.runtime.scheduler.batch import PenaltyTracker, ScheduledBatch, make_batch, sampling_batch, to_worker_batch
@@ -141,23 +141,14 @@ class Scheduler:
     # ---- API ---------------------------------------------------------------------------------
 
     def add_request(self, tr: TokenizedRequest) -> None:
-        """Queue a request; BadRequest (or SamplingParamsError) when it cannot run. The front doors
-        prepared it (tokenizer/prepare.py); what is checked here is what must hold whoever made it:
-        ids that index the embedding and fit the context, the pool, the vocabulary and the room left."""
-        vocab = self.worker.config.vocab_size
-        check_prompt_ids(tr.input_ids, vocab, self.context_length)
-        if tr.rid in self._live:
-            raise BadRequest(f"request id {tr.rid!r} is already in flight")
-        if pages_for(len(tr.input_ids), self.kv.page_size) > self.kv.num_pages:
-            raise BadRequest(f"the prompt has {len(tr.input_ids)} tokens; the KV cache pool holds "
-                               f"{self.kv.num_pages * self.kv.page_size} (raise --max-total-tokens)")
-        tr.sampling_params.validate(vocab)
-        room = self.context_length - len(tr.input_ids)
-        if tr.sampling_params.max_new_tokens > room:
-            raise BadRequest(
-                f"max_new_tokens={tr.sampling_params.max_new_tokens} does not fit: the prompt has "
-                f"{len(tr.input_ids)} tokens and the context length is {self.context_length}, so at most {room}"
-            )
+        """Queue a request. The front doors checked it (tokenizer/prepare.py, the one place a request
+        is checked, and the tokenizer process or LocalEngine for ids in flight); here its invariants
+        are asserted, not checked again. BadRequest only when constrained decoding cannot start."""
+        ids, params = tr.input_ids, tr.sampling_params
+        assert tr.rid not in self._live, f"request id {tr.rid!r} is already in flight"
+        assert ids and 0 <= min(ids) and max(ids) < self.worker.config.vocab_size, f"{tr.rid}: ids outside the vocabulary"
+        assert len(ids) + params.max_new_tokens <= self.context_length, f"{tr.rid}: does not fit the context"
+        assert pages_for(len(ids), self.kv.page_size) <= self.kv.num_pages, f"{tr.rid}: the prompt outgrows the pool"
         req = Req(tr, self._arrivals)
         req.grammar_key = tr.constraint  # worked out once, by prepare
         if req.grammar_key is CONSTRAINT_NOT_GIVEN:  # a request made by hand (tests, benchmarks)
@@ -207,8 +198,7 @@ class Scheduler:
 
     def _compiler(self) -> GrammarCompiler:
         if self._grammar is None:
-            if self._make_grammar is None:
-                raise BadRequest("constrained decoding (regex, json_schema) needs a tokenizer")
+            assert self._make_grammar is not None, "a constrained request without a tokenizer (prepare refuses it)"
             try:
                 self._grammar = self._make_grammar()
             except Exception as e:  # noqa: BLE001 - e.g. a model without an EOS token: refuse, serve on

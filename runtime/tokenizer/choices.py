@@ -58,8 +58,10 @@ def scoring_requests(prep: RequestPreparer, req: GenerateRequest, client: bytes 
         start_token = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
         scored += [([start_token, *tok.encode(c, add_special_tokens=False)], 1) for c in choices]
     for i, (ids, _) in enumerate(scored):
-        if len(ids) >= prep.context_length:
-            raise BadRequest(f"prompt plus choice {i % len(choices)} exceeds the context length")
+        try:
+            prep.check_fits(ids)
+        except BadRequest as e:
+            raise BadRequest(f"prompt plus choice {i % len(choices)}: {e}") from None
         if len(ids) < 2:
             raise BadRequest(f"choice {choices[i % len(choices)]!r} is too short to score without the prompt")
     return ChoiceScoring(group, [TokenizedRequest(f"{req.rid}\x00choice{i}", ids, params, True, start)

@@ -29,6 +29,7 @@ from radixlm.runtime.messages import (
     ControlOutput,
     ControlRequest,
     GenerateRequest,
+    SchedulerLimits,
     TokenOutput,
 )
 from radixlm.runtime.native import BadRequest
@@ -70,7 +71,7 @@ class TokenizerManager:
         self.context_length = min(config.context_length, args.context_length or 1 << 62)
         self.model_name = source.name
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source, args.tokenizer_path)
-        self.prep = RequestPreparer(self.tokenizer, self.vocab_size, self.context_length, args.reasoning_parser)
+        self.prep: RequestPreparer  # once the scheduler's limits arrive (run_forever)
         self.ctx = zmq.Context()
         self.clients = ipc.socket(self.ctx, zmq.ROUTER, client_addr, bind=True)
         self.to_scheduler = ipc.socket(self.ctx, zmq.PUSH, to_scheduler, bind=True)
@@ -84,6 +85,11 @@ class TokenizerManager:
         return {"has_tokenizer": self.tokenizer is not None}
 
     def run_forever(self) -> None:
+        # the scheduler's first message; clients wait in the socket until requests can be checked
+        limits = ipc.decode(self.from_scheduler.recv())
+        assert isinstance(limits, SchedulerLimits), limits
+        self.prep = RequestPreparer(self.tokenizer, self.vocab_size, self.context_length, limits.kv_pool_tokens,
+                                    self.args.reasoning_parser)
         poller = zmq.Poller()
         poller.register(self.clients, zmq.POLLIN)
         poller.register(self.from_scheduler, zmq.POLLIN)

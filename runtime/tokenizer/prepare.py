@@ -2,11 +2,13 @@
 
 One copy, shared by both front doors (the tokenizer process, `manager.py`, and the in-process
 `LocalEngine`), so that both refuse the same requests with the same messages: the prompt (text,
-chat messages or token ids) is tokenized and checked (`native.check_prompt_ids`), the sampling
-parameters parsed with their defaults (`max_new_tokens: None` is "as many as fit") and checked
-against the vocabulary, the logprob options checked against the prompt, and the request's
-constraint key and reasoning gate worked out once. Refusals raise `BadRequest` (or
-`SamplingParamsError`), both ValueErrors whose message names what was wrong.
+chat messages or token ids) is tokenized and checked (`check_fits`: the vocabulary, the context and
+the KV pool's size), the sampling parameters parsed with their defaults (`max_new_tokens: None` is "as
+many as fit") and checked against the vocabulary and the room the prompt leaves, the logprob
+options checked against the prompt, and the request's constraint key and reasoning gate worked out
+once. Refusals raise `BadRequest` (or `SamplingParamsError`), both ValueErrors whose message names
+what was wrong. This is the one place a request is checked: the scheduler asserts what a prepared
+request satisfies and trusts it (`Scheduler.add_request`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from radixlm.runtime.constrained.grammar import constraint_key
 from radixlm.runtime.messages import GenerateRequest, TokenizedRequest
-from radixlm.runtime.native import BadRequest, check_prompt_ids
+from radixlm.runtime.native import BadRequest
 from radixlm.runtime.reasoning import end_tag_ids, gate_ids
 from radixlm.runtime.sampling_params import SamplingParams
 
@@ -25,13 +27,15 @@ MAX_TOP_LOGPROBS = 20
 class RequestPreparer:
     """The served model's facts that requests are checked against, and `prepare`."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, context_length: int,
+    def __init__(self, tokenizer: Any, vocab_size: int, context_length: int, kv_pool_tokens: int,
                  reasoning_parser: str | None = None) -> None:
         """`tokenizer`: None without one (--skip-tokenizer-init: only input_ids are taken);
-        `context_length`: the served one (the model's, capped by --context-length)."""
+        `context_length`: the served one (the model's, capped by --context-length); `kv_pool_tokens`:
+        the KV cache pool's size (the scheduler's `SchedulerLimits`)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_length = context_length
+        self.kv_pool_tokens = kv_pool_tokens
         self.reasoning_end_ids = end_tag_ids(reasoning_parser, tokenizer)
 
     def prepare(self, req: GenerateRequest) -> TokenizedRequest:
@@ -39,6 +43,8 @@ class RequestPreparer:
         prompt_ids = self.prompt_ids(req)
         params = self.sampling_params(req, len(prompt_ids))
         constraint = constraint_key(params)
+        if constraint is not None and self.tokenizer is None:
+            raise BadRequest("constrained decoding (regex, json_schema, ebnf) needs a tokenizer")
         try:
             gate = gate_ids(req.require_reasoning, self.reasoning_end_ids, constraint is not None)
         except ValueError as e:
@@ -60,8 +66,22 @@ class RequestPreparer:
                 raise BadRequest("this server has no tokenizer (--skip-tokenizer-init): send input_ids")
             text = req.text if req.text is not None else self.chat_prompt(req)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
-        check_prompt_ids(ids, self.vocab_size, self.context_length)
+        self.check_fits(ids)
         return list(ids)
+
+    def check_fits(self, ids: list[int]) -> None:
+        """A prompt's ids: not empty, in the vocabulary, room in the context for one new token, and
+        no more than the KV pool holds."""
+        if not ids:
+            raise BadRequest("the prompt is empty")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise BadRequest(f"input_ids must lie in [0, {self.vocab_size})")
+        if len(ids) >= self.context_length:
+            raise BadRequest(f"the prompt has {len(ids)} tokens; the context length is {self.context_length} "
+                             "(prompt plus at least one new token must fit)")
+        if len(ids) > self.kv_pool_tokens:
+            raise BadRequest(f"the prompt has {len(ids)} tokens; the KV cache pool holds {self.kv_pool_tokens} "
+                             "(raise --max-total-tokens)")
 
     def chat_prompt(self, req: GenerateRequest) -> str:
         from radixlm.runtime.tokenizer.loader import chat_prompt
@@ -80,6 +100,10 @@ class RequestPreparer:
         # as in SGLang, stop token ids past the vocabulary are accepted: they can never be sampled
         params.stop_token_ids = [t for t in params.stop_token_ids if t < self.vocab_size]
         params.validate(self.vocab_size)
+        room = self.context_length - prompt_len
+        if params.max_new_tokens > room:
+            raise BadRequest(f"max_new_tokens={params.max_new_tokens} does not fit: the prompt has {prompt_len} "
+                             f"tokens and the context length is {self.context_length}, so at most {room}")
         if req.logprob_start_len >= prompt_len:
             raise BadRequest(f"logprob_start_len {req.logprob_start_len} must be below the prompt length {prompt_len}")
         if req.top_logprobs_num < 0 or req.top_logprobs_num > MAX_TOP_LOGPROBS:

@@ -78,12 +78,25 @@ def test_logprob_start_len_range(tiny_llama):
     assert_drained(engine)
 
 
-def test_a_batch_the_scheduler_refuses_part_of_leaves_nothing_behind(tiny_llama):
+def test_a_batch_with_one_refused_request_leaves_nothing_behind(tiny_llama):
     engine = tiny_llama.engine()
     with pytest.raises(BadRequest, match="already in flight"):
         engine.generate(input_ids=[[5, 6], [7, 8]], rid=["same", "same"], sampling_params={"max_new_tokens": 4})
     with pytest.raises(BadRequest, match="does not fit"):
         engine.generate(input_ids=[[5, 6], [7, 8]], sampling_params=[{}, {"max_new_tokens": 5000}])
+    assert_drained(engine)
+
+
+def test_a_prompt_the_kv_pool_cannot_hold_is_refused_at_the_door(tiny_llama):
+    """The front door knows the pool's size (the scheduler's, in tokens) and refuses what can never
+    run; a prompt of exactly that size runs."""
+    engine = tiny_llama.engine(max_total_tokens=64, page_size=16)
+    pool = engine.worker.num_pages * engine.worker.page_size
+    assert pool == 64
+    with pytest.raises(BadRequest, match=f"the prompt has {pool + 1} tokens; the KV cache pool holds {pool}"):
+        engine.generate(input_ids=[5] * (pool + 1), sampling_params={"max_new_tokens": 1})
+    res = engine.generate(input_ids=[5] * pool, sampling_params={"max_new_tokens": 1, "ignore_eos": True})
+    assert res["meta_info"]["prompt_tokens"] == pool
     assert_drained(engine)
 
 

@@ -21,7 +21,10 @@ def _name(pid: int) -> str:
 
 
 def test_sigterm_stops_everything_and_removes_sockets(tiny_qwen3):
-    srv = LiveServer("--model-path", tiny_qwen3, "--skip-tokenizer-init")
+    srv = LiveServer("--model-path", tiny_qwen3, "--skip-tokenizer-init", "--max-total-tokens", "64", "--page-size", "16")
+    # (on the way: the tokenizer process checks prompts against the scheduler's pool, which it learns at start)
+    r = httpx.post(srv.url + "/generate", json={"input_ids": [1] * 65, "sampling_params": {"max_new_tokens": 1}}, timeout=60)
+    assert r.status_code == 400 and "the prompt has 65 tokens; the KV cache pool holds 64" in r.text, r.text
     children = srv.child_pids()
     assert len(children) >= 2
     before = {d for d in os.listdir("/tmp") if d.startswith("radixlm-") and os.path.isdir(f"/tmp/{d}")}

@@ -16,7 +16,7 @@ V = 49152  # SmolLM2's vocabulary
 
 
 def test_stop_token_ids_past_the_vocabulary_are_accepted_and_dropped(smol_tokenizer):
-    prep = RequestPreparer(smol_tokenizer, V, 64)
+    prep = RequestPreparer(smol_tokenizer, V, 64, 256)
     params = {"stop_token_ids": [V + 5, 2, 10**9], "min_new_tokens": 1, "max_new_tokens": 4}
     tr = prep.prepare(GenerateRequest("r", input_ids=[1, 2], sampling_params=params))
     # dropped, as they can never be sampled (the min_new_tokens block indexes the logits by them)

@@ -16,7 +16,8 @@ from radixlm.runtime.tokenizer.choices import is_choices, scoring_requests
 from radixlm.runtime.tokenizer.output import RequestOutput
 from radixlm.runtime.tokenizer.prepare import RequestPreparer
 
-CONTEXT = 64
+CONTEXT = 256
+POOL = 1024  # the KV pool's tokens
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def tok(smol_tokenizer):
 
 @pytest.fixture(scope="module")
 def prep(tok):
-    return RequestPreparer(tok, V, CONTEXT)
+    return RequestPreparer(tok, V, CONTEXT, POOL)
 
 
 # ---- the sampling params' schema -----------------------------------------------------------------
@@ -114,7 +115,10 @@ BAD = [
      "choices_method must be one of token_length_normalized, greedy_token, greedy_token_selection, "
      "unconditional_likelihood_normalized"),
     (dict(text="Pick", sampling_params={"choices": [" apple" * CONTEXT]}), BadRequest,
-     "prompt plus choice 0 exceeds the context length"),
+     f"prompt plus choice 0: the prompt has {CONTEXT + 1} tokens; the context length is {CONTEXT}"),
+    (dict(input_ids=[1, 2], sampling_params={"max_new_tokens": CONTEXT - 1}), BadRequest,
+     f"max_new_tokens={CONTEXT - 1} does not fit: the prompt has 2 tokens and the context length is {CONTEXT}, "
+     f"so at most {CONTEXT - 2}"),
 ]
 
 
@@ -130,13 +134,28 @@ def test_prepare_refuses_with_the_message(prep, fields, error, message):
 
 
 def test_without_a_tokenizer_only_input_ids_are_taken():
-    bare = RequestPreparer(None, V, CONTEXT)
+    bare = RequestPreparer(None, V, CONTEXT, POOL)
     for req in (GenerateRequest("r", text="hi"), GenerateRequest("r", messages=[{"role": "user", "content": "x"}])):
         with pytest.raises(BadRequest, match=r"no tokenizer \(--skip-tokenizer-init\): send input_ids"):
             bare.prepare(req)
     with pytest.raises(BadRequest, match="choices need a tokenizer"):
         scoring_requests(bare, GenerateRequest("r", input_ids=[1, 2], sampling_params={"choices": ["a"]}))
-    assert bare.prepare(GenerateRequest("r", input_ids=[1, 2])).input_ids == [1, 2]
+    with pytest.raises(BadRequest, match=r"constrained decoding \(regex, json_schema, ebnf\) needs a tokenizer"):
+        bare.prepare(GenerateRequest("r", input_ids=[1, 2], sampling_params={"max_new_tokens": 4, "regex": "a"}))
+    assert bare.prepare(GenerateRequest("r", input_ids=[1, 2], sampling_params={"max_new_tokens": 4})).input_ids == [1, 2]
+
+
+def test_a_prompt_longer_than_the_kv_pool_is_refused(tok):
+    """The pool's size comes from the scheduler (SchedulerLimits); a prompt that could never be
+    held is refused here, not queued forever. The context may be longer than the pool."""
+    small = RequestPreparer(tok, V, 1024, kv_pool_tokens=16)
+    fits = small.prepare(GenerateRequest("r", input_ids=list(range(1, 17)), sampling_params={"max_new_tokens": 8}))
+    assert len(fits.input_ids) == 16
+    with pytest.raises(BadRequest, match=r"the prompt has 17 tokens; the KV cache pool holds 16 \(raise --max-total-tokens\)"):
+        small.prepare(GenerateRequest("r", input_ids=list(range(1, 18))))
+    with pytest.raises(BadRequest, match="prompt plus choice 0: the prompt has .* the KV cache pool holds 16"):
+        scoring_requests(small, GenerateRequest("r", text=" apple" * 16, sampling_params={"choices": [" pear"]}))
+    assert len(tok.encode(" apple" * 16, add_special_tokens=False)) == 16  # the prompt alone fits
 
 
 def test_prepare_defaults(prep, tok):
@@ -144,13 +163,15 @@ def test_prepare_defaults(prep, tok):
     tr = prep.prepare(GenerateRequest("r", text="Hello there", sampling_params={"max_new_tokens": None}))
     assert tr.input_ids == ids and tr.sampling_params.max_new_tokens == CONTEXT - len(ids)  # as many as fit
     assert prep.prepare(GenerateRequest("r", input_ids=[1, 2])).sampling_params.max_new_tokens == 128
+    with pytest.raises(BadRequest, match="max_new_tokens=128 does not fit"):  # the default, checked as any
+        RequestPreparer(tok, V, 64, POOL).prepare(GenerateRequest("r", input_ids=[1, 2]))
     tr = prep.prepare(GenerateRequest("r", input_ids=[1, 2, 3], return_logprob=True, logprob_start_len=2,
                                       top_logprobs_num=20))
     assert (tr.return_logprob, tr.logprob_start_len, tr.top_logprobs_num, tr.constraint) == (True, 2, 20, None)
 
 
 def test_the_reasoning_gate(tok):
-    prep = RequestPreparer(tok, V, CONTEXT, reasoning_parser="qwen3")
+    prep = RequestPreparer(tok, V, CONTEXT, POOL, reasoning_parser="qwen3")
     end = tok.encode("</think>", add_special_tokens=False)
     gated = prep.prepare(GenerateRequest("r", text="Hi", require_reasoning=True, sampling_params={"regex": "a+"}))
     free = prep.prepare(GenerateRequest("r", text="Hi", require_reasoning=True))
