@@ -204,6 +204,28 @@ def test_decode_attention_reads_the_pool_through_the_table(rows, group, d, seed)
         assert torch.equal(alone, outs[-1][r : r + 1])
 
 
+def test_grouped_decode_attention_is_bitwise_each_head_alone():
+    """Enough rows and the AVX2 path reads each key once for its KV head's query heads (one task a
+    (row, KV head)); a row alone takes one task a query head. Each head's output is the same bits."""
+    if cpu.best_isa() < 1:
+        pytest.skip("the grouped kernel is the AVX2 path's; this CPU has no AVX2")
+    gen = torch.Generator().manual_seed(7)
+    rows, kv_heads, group, d = 24, 3, 3, 64  # SmolLM2's heads; 72 tasks, more than twice any thread count here
+    assert rows * kv_heads >= 2 * torch.get_num_threads()
+    qkv, k_pool, v_pool = _step(gen, rows, kv_heads * group, kv_heads, d)
+    table = torch.randperm(300, generator=gen)[: rows * 11].view(rows, 11)
+    lens = torch.randint(1, 12, (rows,), generator=gen)
+    q = qkv[:, : kv_heads * group * d]
+    table_rows = torch.arange(rows)
+    batch = cpu.decode_attention(q, k_pool, v_pool, table, table_rows, lens, 0.125, isa=1)
+    want = ref.decode_attention(q, k_pool, v_pool, table, table_rows, lens, 0.125)
+    assert torch.allclose(batch, want, rtol=1e-5, atol=1e-5), (batch - want).abs().max()
+    for r in range(rows):
+        alone = cpu.decode_attention(q[r : r + 1].clone(), k_pool, v_pool, table, table_rows[r : r + 1], lens[r : r + 1],
+                                     0.125, isa=1)
+        assert torch.equal(alone, batch[r : r + 1]), r
+
+
 def _random_decoder(seed: int, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, d: int = 16,
                     inner: int = 96, slots: int = 64):
     """A small decoder on random 4- and 8-bit codes (zero points on some, a qkv bias), its pools and tables."""

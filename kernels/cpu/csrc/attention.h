@@ -34,4 +34,13 @@ void decode_head_portable(const float* q, int64_t head_dim, const KVLayer& kv, i
 void decode_head_avx2(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,
                       int64_t len, float scale, float* scores, float* out);
 
+// The same for `heads` query heads that share KV head `kv_head` (query g at q + g * head_dim, its
+// output at out + g * head_dim, its scores at scores + g * len), each key and value read once for
+// all of them; bitwise decode_head_avx2 on each head. Only where decode_group_takes says so.
+inline bool decode_group_takes(int64_t heads, int64_t head_dim) {
+  return heads >= 1 && heads <= 8 && head_dim % 8 == 0 && head_dim <= 256;
+}
+void decode_group_avx2(const float* q, int64_t heads, int64_t head_dim, const KVLayer& kv, int64_t kv_head,
+                       const int64_t* slots, int64_t len, float scale, float* scores, float* out);
+
 }  // namespace radixlm

@@ -1,5 +1,6 @@
 // The AVX2 path of rotary + K/V store and of paged decode attention (head_dim a multiple of 8;
 // others take the portable path).
+#include <algorithm>
 #include <cmath>
 
 #include "avx2.h"
@@ -90,6 +91,86 @@ RADIXLM_AVX2 void decode_head_avx2(const float* q, int64_t head_dim, const KVLay
   }
   const __m256 inv = _mm256_set1_ps(1.0f / total);
   for (int64_t c = 0; c < chunks; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], inv));
+}
+
+namespace {
+
+// decode_head_avx2 for G query heads sharing KV head `kv_head` (q_g at q + g * head_dim): each key
+// and value row read once for the G heads, each head's sums the same chains in the same order as
+// decode_head_avx2's, so the results are bitwise its results.
+template <int G>
+RADIXLM_AVX2 void decode_group(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head,
+                               const int64_t* slots, int64_t len, float scale, float* scores, float* out) {
+  const float* keys = kv.k + kv_head * kv.slots * head_dim;
+  const float* values = kv.v + kv_head * kv.slots * head_dim;
+  const int64_t chunks = head_dim / 8;
+  float top[G], total[G];
+  for (int g = 0; g < G; ++g) top[g] = -INFINITY;
+  for (int64_t j = 0; j < len; ++j) {  // one key, G chains of multiply-adds
+    const float* key = keys + slots[j] * head_dim;
+    __m256 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < chunks; ++i) {
+      const __m256 k = _mm256_loadu_ps(key + 8 * i);
+      for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + 8 * i), k, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) {
+      const float s = hsum(acc[g]) * scale;
+      scores[g * len + j] = s;
+      top[g] = std::fmax(top[g], s);
+    }
+  }
+  for (int g = 0; g < G; ++g) {  // decode_head_avx2's exp and sum, head by head
+    float* sc = scores + g * len;
+    const __m256 topv = _mm256_set1_ps(top[g]);
+    __m256 sum = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) {
+      const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sc + j), topv));
+      _mm256_storeu_ps(sc + j, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    total[g] = hsum(sum);
+    for (; j < len; ++j) {
+      sc[j] = std::exp(sc[j] - top[g]);
+      total[g] += sc[j];
+    }
+  }
+  // the weighted values, 32 dimensions at a time (G x 4 accumulators stay in registers)
+  for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+    const int64_t width = std::min<int64_t>(4, chunks - c0);
+    __m256 acc[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < len; ++k) {
+      const float* value = values + slots[k] * head_dim + 8 * c0;
+      for (int c = 0; c < width; ++c) {
+        const __m256 v = _mm256_loadu_ps(value + 8 * c);
+        for (int g = 0; g < G; ++g) acc[g][c] = _mm256_fmadd_ps(_mm256_set1_ps(scores[g * len + k]), v, acc[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m256 inv = _mm256_set1_ps(1.0f / total[g]);
+      for (int c = 0; c < width; ++c) _mm256_storeu_ps(out + g * head_dim + 8 * (c0 + c), _mm256_mul_ps(acc[g][c], inv));
+    }
+  }
+}
+
+}  // namespace
+
+RADIXLM_AVX2 void decode_group_avx2(const float* q, int64_t heads, int64_t head_dim, const KVLayer& kv, int64_t kv_head,
+                                    const int64_t* slots, int64_t len, float scale, float* scores, float* out) {
+  switch (heads) {
+    case 1: decode_group<1>(q, head_dim, kv, kv_head, slots, len, scale, scores, out); return;
+    case 2: decode_group<2>(q, head_dim, kv, kv_head, slots, len, scale, scores, out); return;
+    case 3: decode_group<3>(q, head_dim, kv, kv_head, slots, len, scale, scores, out); return;
+    case 4: decode_group<4>(q, head_dim, kv, kv_head, slots, len, scale, scores, out); return;
+    case 5: decode_group<5>(q, head_dim, kv, kv_head, slots, len, scale, scores, out); return;
+    case 6: decode_group<6>(q, head_dim, kv, kv_head, slots, len, scale, scores, out); return;
+    case 7: decode_group<7>(q, head_dim, kv, kv_head, slots, len, scale, scores, out); return;
+    case 8: decode_group<8>(q, head_dim, kv, kv_head, slots, len, scale, scores, out); return;
+    default: return;  // decode_group_takes excludes it
+  }
 }
 
 }  // namespace radixlm

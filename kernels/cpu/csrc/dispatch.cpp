@@ -76,8 +76,24 @@ void decode_attention_into(const float* q, int64_t q_stride, int64_t heads, int6
                            int64_t kv_heads, const DecodeRows& rows, float scale, float* out, Isa isa) {
   auto run = isa >= Isa::avx2 ? decode_head_avx2 : decode_head_portable;
   const int64_t group = heads / kv_heads;
-  // one task per (row, query head), its keys in key order: a lone decode row's 9 heads split
-  // 5:4 over two threads, where its 3 KV heads' groups split 2:1
+  // With enough rows, one task per (row, KV head): the group's query heads read each key and
+  // value once (GQA: SmolLM2's 3 heads a KV head read the pool a third as often). With few, one
+  // task per (row, query head), so the threads share the work evenly (a lone decode row's 9 heads
+  // split 5:4 over two threads, its 3 KV heads 2:1). Both give each head bitwise the same output.
+  if (isa >= Isa::avx2 && group > 1 && decode_group_takes(group, head_dim) &&
+      rows.n * kv_heads >= 2 * at::get_num_threads()) {
+    at::parallel_for(0, rows.n * kv_heads, 1, [&](int64_t a, int64_t b) {
+      std::vector<float> scores(group * rows.longest);
+      for (int64_t task = a; task < b; ++task) {
+        const int64_t r = task / kv_heads, h = task % kv_heads, first = h * group;
+        decode_group_avx2(q + r * q_stride + first * head_dim, group, head_dim, kv, h,
+                          rows.table + rows.rows[r] * rows.table_cols, rows.seq_lens[r], scale, scores.data(),
+                          out + (r * heads + first) * head_dim);
+      }
+    });
+    return;
+  }
+  // one task per (row, query head), its keys in key order
   at::parallel_for(0, rows.n * heads, 1, [&](int64_t a, int64_t b) {
     std::vector<float> scores(rows.longest);
     for (int64_t task = a; task < b; ++task) {
