@@ -85,7 +85,8 @@ class ServerArgs:
         "help": "torch, native (radixlm's CPU kernels: rotary, K/V store and decode attention fused) or triton "
                 "(auto: triton on CUDA; on CPU native where the weights are served on the native kernels, else torch)"})
     linear_kernel: str = field(default="auto", metadata={
-        "help": "the CPU matmul kernel: torch (F.linear, MKL), onednn, or auto (the faster on this CPU, timed at start)"})
+        "help": "the CPU matmul kernel of dense weights: torch (F.linear, MKL), onednn, or auto (oneDNN wherever torch has "
+                "it on a CPU, bf16 only where the CPU multiplies it natively; else torch)"})
     deterministic: bool = field(default=False, metadata={
         "help": "batch-invariant: a request's tokens and logprobs bitwise the same whatever it shares a step with, "
                 "however its prompt is chunked and whatever the cache holds (greedy or seeded sampling; slower)"})

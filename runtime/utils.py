@@ -1,10 +1,8 @@
-"""Small helpers shared by the scheduler, the attention backends and the worker's start-up timings."""
+"""Small helpers shared by the scheduler, the attention backends and the worker."""
 
 from __future__ import annotations
 
 import ctypes
-import time
-from typing import Callable
 
 import torch
 
@@ -13,17 +11,6 @@ def ragged_arange(lengths: torch.Tensor) -> torch.Tensor:
     """Concatenation of arange(n) for each n in `lengths` (int64, on lengths' device)."""
     starts = torch.cumsum(lengths, 0) - lengths
     return torch.arange(int(lengths.sum()), device=lengths.device) - torch.repeat_interleave(starts, lengths)
-
-
-def best_time(fn: Callable[[], object], tries: int = 3) -> float:
-    """The fastest of `tries` runs of `fn`, in seconds, after one warm-up run (first calls build kernels)."""
-    fn()
-    best = float("inf")
-    for _ in range(tries):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def trim_heap() -> None:

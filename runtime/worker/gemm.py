@@ -2,11 +2,11 @@
 
 Two fp32 kernels are available in every torch build for CPUs: `F.linear` (MKL's sgemm where
 torch was built with it) and oneDNN's inner product (`mkldnn._linear_pointwise`) on weights laid
-out for it once (`packed`). Which is faster depends on the CPU: on an AMD EPYC with AVX-512,
-oneDNN ran SmolLM2's weight pass 2-3x faster at 1-256 rows (benchmarks/linear_batch.py), as MKL
-does not take its fastest paths there. So the worker times both on the model's own weights when it starts (`pick_kernel`) and
-runs the faster; `--linear-kernel` forces one. They sum in different orders, so results differ
-in the last bits (the HF oracle's tolerance covers it).
+out for it once (`packed`). oneDNN ran SmolLM2's weight pass 2-3x faster than MKL at 1-256 rows on
+an AMD EPYC with AVX-512 (benchmarks/linear_batch.py) and 1.9x on an AVX2-only one, so it is the
+default wherever torch has it (`default_kernel`: a fact of the build and the CPU, never a timing,
+so a model is served with the same bits every run); `--linear-kernel` forces one. They sum in
+different orders, so results differ in the last bits (the HF oracle's tolerance covers it).
 
 Under `--deterministic`, every call on dense weights runs in tiles of exactly INVARIANT_ROWS rows
 (the last one zero-padded): one GEMM of one shape per tile, so the kernel, and so its summation
@@ -24,7 +24,6 @@ from typing import Iterator, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from radixlm.runtime.utils import best_time
 from radixlm.runtime.worker.quant import Plan, QuantizedMatrix
 
 log = logging.getLogger(__name__)
@@ -101,30 +100,12 @@ def available(device: torch.device) -> list[str]:
     return ["torch"]
 
 
-_picked: dict[tuple, str] = {}  # one timing per process for each set of shapes
-
-
-def pick_kernel(weights: list[torch.Tensor], device: torch.device, rows: tuple[int, ...] = (1, 16, 64)) -> str:
-    """The kernel that runs `weights` (a sample of the model's matrices) fastest, timed here, at a
-    few batch sizes (the best of 3 passes each, summed over the sizes)."""
-    kernels = available(device)
-    if len(kernels) == 1:
-        return kernels[0]
-    key = (str(device), tuple((tuple(w.shape), w.dtype) for w in weights))
-    if key not in _picked:
-        _picked[key] = _time_kernels(kernels, weights, device, rows)
-    return _picked[key]
-
-
-def _time_kernels(kernels: list[str], weights: list[torch.Tensor], device: torch.device, rows: tuple[int, ...]) -> str:
-    times = {}
-    for name in kernels:
-        run, total = _RUN[name], 0.0
-        for n in rows:
-            xs = {w.shape[1]: torch.randn(n, w.shape[1], dtype=w.dtype, device=device) for w in weights}
-            total += best_time(lambda: [run(xs[w.shape[1]], w, None) for w in weights])
-        times[name] = total
-    choice = min(times, key=times.get)
-    log.info("linear kernel: %s (timed on the model's weights: %s)", choice,
-             ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()))
-    return choice
+def default_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """The dense weights' kernel, decided by facts, never by a timing (a race at start would serve
+    the same model with other bits from one run to the next): oneDNN on a CPU wherever torch has it,
+    for bf16 only where oneDNN multiplies bf16 natively (AVX-512 bf16, AMX); else F.linear."""
+    if "onednn" not in available(device) or dtype not in (torch.float32, torch.bfloat16):
+        return "torch"
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "torch"
+    return "onednn"

@@ -199,10 +199,7 @@ class ModelWorker:
             if name not in gemm.available(self.device):
                 raise ValueError(f"--linear-kernel {name} is not available on {self.device}")
             return name
-        layer = model.layers[0]  # one layer's matrices and the LM head: every shape the step runs
-        weights = [p for n, p in layer.named_parameters() if n.endswith("proj.weight")] + [model.lm_head.weight]
-        dense = [w for w in weights if isinstance(w, torch.Tensor)]  # quantized ones choose by quant.Plan
-        return gemm.pick_kernel(dense, self.device) if dense else "torch"
+        return gemm.default_kernel(self.device, self.dtype)  # quantized weights choose by quant.Plan
 
     def _attention_backend(self) -> AttentionBackend:
         name = self.args.attention_backend
