@@ -119,8 +119,8 @@ def deterministic_rows(engine: LocalEngine, decoders: int, prefill: int, tries: 
     return [f"| {name} | {d * 1e3:.1f} | {d / base[1]:.2f}x | {m * 1e3:.1f} | {m / base[2]:.2f}x |" for name, d, m in rows]
 
 
-def radix_overhead_rows(engine: LocalEngine, requests: int, rounds: int) -> list[str]:
-    """The same no-sharing workload (random 128-token prompts, 64 greedy tokens each, all at once)
+def radix_overhead_rows(engine: LocalEngine, requests: int, rounds: int, new: int = 64) -> list[str]:
+    """The same no-sharing workload (random 128-token prompts, `new` greedy tokens each, all at once)
     on engines over one copy of the weights, radix cache on and off, alternated `rounds` times:
     what the cache costs when nothing is shared."""
     on, off = (LocalEngine(model=engine.worker.model, skip_tokenizer_init=True, max_total_tokens=40000,
@@ -128,7 +128,7 @@ def radix_overhead_rows(engine: LocalEngine, requests: int, rounds: int) -> list
                for disable in (False, True))
     rng = random.Random(1)
     times: dict[str, list[float]] = {"on": [], "off": []}
-    params = {"max_new_tokens": 64, "ignore_eos": True, "temperature": 0}
+    params = {"max_new_tokens": new, "ignore_eos": True, "temperature": 0}
     for _ in range(rounds):
         for name, e in (("on", on), ("off", off)):
             prompts = [[rng.randrange(100, 20000) for _ in range(CONTEXT)] for _ in range(requests)]
@@ -169,7 +169,7 @@ def main() -> None:
     print("\nRadix cache overhead with no sharing (wall s per run, alternated; the difference of the medians):\n")
     print("| requests | rounds | cache on s | cache off s | on / off - 1 |")
     print("|---|---|---|---|---|")
-    print("\n".join(radix_overhead_rows(engine, 4 if args.quick else 32, 1 if args.quick else 5)))
+    print("\n".join(radix_overhead_rows(engine, 4 if args.quick else 32, 1 if args.quick else 5, 16 if args.quick else 64)))
     engine.shutdown()
 
 
