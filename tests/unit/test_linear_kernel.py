@@ -25,7 +25,7 @@ def test_a_worker_on_dense_weights_takes_that_kernel_without_timing_anything(tin
         raise AssertionError("the worker timed something to choose a kernel")
 
     monkeypatch.setattr(time, "perf_counter", no_clock)
-    engine, again = tiny_llama.engine(quantization="none"), tiny_llama.engine(quantization="none")
+    engine, again = tiny_llama.engine(), tiny_llama.engine()  # (the shared weights as earlier tests served them)
     monkeypatch.undo()
     assert engine.worker.linear_mode.kernel == again.worker.linear_mode.kernel == gemm.default_kernel(
         engine.worker.device, engine.worker.dtype)
