@@ -238,7 +238,7 @@ def _random_decoder(seed: int, layers: int = 2, hidden: int = 64, heads: int = 4
         return cpu.tile(codes, scale, zero, bits)
 
     width = (heads + 2 * kv_heads) * d
-    weights, mats = [], []
+    weights = []
     for layer in range(layers):
         bits = 4 if layer % 2 == 0 else 8
         m = [matrix(width, hidden, bits), matrix(hidden, heads * d, bits), matrix(2 * inner, hidden, bits),
