@@ -207,7 +207,7 @@ def test_decode_attention_reads_the_pool_through_the_table(rows, group, d, seed)
 def test_grouped_decode_attention_is_bitwise_each_head_alone():
     """Enough rows and the AVX2 path reads each key once for its KV head's query heads (one task a
     (row, KV head)); a row alone takes one task a query head. Each head's output is the same bits."""
-    if cpu.best_isa() < 1:
+    if cpu.best_isa() < 1:  # no feature missing: without AVX2 the dispatcher never takes the grouped kernel
         pytest.skip("the grouped kernel is the AVX2 path's; this CPU has no AVX2")
     gen = torch.Generator().manual_seed(7)
     rows, kv_heads, group, d = 24, 3, 3, 64  # SmolLM2's heads; 72 tasks, more than twice any thread count here
