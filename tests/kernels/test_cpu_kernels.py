@@ -52,6 +52,24 @@ def test_quant_matmul_against_the_reference_and_across_paths(m, n, blocks, kind,
         assert torch.equal(cpu.quant_matmul(x[i : i + 1].clone(), tiled), portable[i : i + 1])
 
 
+def test_prefill_sized_batches_span_activation_slices():
+    """A batch longer than the rows a task takes at once (128 KB of 16-bit activations: 32 rows
+    of 2,048 columns) gives every row what it gives alone, on every path, and the reference's
+    values: the slices' outputs land in their own rows, the ragged last slice included."""
+    gen = torch.Generator().manual_seed(7)
+    k, m = 2048, 75
+    for bits, with_zero in ((4, True), (8, False)):
+        raw, tiled, scale, zero = _matrix(gen, 19, k, bits, True, with_zero)
+        x = torch.randn(m, k, generator=gen)
+        want = ref.quant_matmul(x, raw, scale.float(), None if zero is None else zero.float())
+        terms = ref.quant_matmul(x.abs(), raw.abs(), scale.float().abs(), None if zero is None else zero.float().abs())
+        for isa in PATHS:
+            got = cpu.quant_matmul(x, tiled, isa=isa)
+            assert ((got - want).abs() <= 1e-5 * terms.abs() + 1e-6).all(), cpu.ISA_NAMES[isa]
+            for i in (0, 31, 32, 63, 64, 74):
+                assert torch.equal(cpu.quant_matmul(x[i : i + 1].clone(), tiled, isa=isa), got[i : i + 1])
+
+
 def test_the_8_bit_dot_has_no_overflow_at_the_extremes():
     codes = torch.full((3, 64), -127, dtype=torch.int8)
     x = torch.full((2, 64), -1.0)  # every activation code -32767: products at their largest
@@ -204,17 +222,20 @@ def test_decode_attention_reads_the_pool_through_the_table(rows, group, d, seed)
         assert torch.equal(alone, outs[-1][r : r + 1])
 
 
-def test_grouped_decode_attention_is_bitwise_each_head_alone():
+@pytest.mark.parametrize("group,d", [(3, 64), (2, 40), (4, 40), (8, 16)])
+def test_grouped_decode_attention_is_bitwise_each_head_alone(group, d):
     """Enough rows and the AVX2 path reads each key once for its KV head's query heads (one task a
-    (row, KV head)); a row alone takes one task a query head. Each head's output is the same bits."""
+    (row, KV head)); a row alone takes one task a query head. Each head's output is the same bits.
+    SmolLM2's 3 heads a KV head and 64 dimensions, and group sizes and widths that take the kernel's
+    other key and dimension blockings with their ragged ends."""
     if cpu.best_isa() < 1:  # no feature missing: without AVX2 the dispatcher never takes the grouped kernel
         pytest.skip("the grouped kernel is the AVX2 path's; this CPU has no AVX2")
     gen = torch.Generator().manual_seed(7)
-    rows, kv_heads, group, d = 24, 3, 3, 64  # SmolLM2's heads; 72 tasks, more than twice any thread count here
+    rows, kv_heads = 24, 3  # 72 tasks, more than twice any thread count here
     assert rows * kv_heads >= 2 * torch.get_num_threads()
-    qkv, k_pool, v_pool = _step(gen, rows, kv_heads * group, kv_heads, d)
-    table = torch.randperm(300, generator=gen)[: rows * 11].view(rows, 11)
-    lens = torch.randint(1, 12, (rows,), generator=gen)
+    qkv, k_pool, v_pool = _step(gen, rows, kv_heads * group, kv_heads, d, slots=rows * 23)
+    table = torch.randperm(rows * 23, generator=gen)[: rows * 23].view(rows, 23)
+    lens = torch.randint(1, 24, (rows,), generator=gen)
     q = qkv[:, : kv_heads * group * d]
     table_rows = torch.arange(rows)
     batch = cpu.decode_attention(q, k_pool, v_pool, table, table_rows, lens, 0.125, isa=1)

@@ -26,6 +26,10 @@ void rope_store_portable(const TokenLayout& x, const int64_t* positions, const f
 void rope_store_avx2(const TokenLayout& x, const int64_t* positions, const float* cos2, const float* sin2,
                      const KVLayer& kv, const int64_t* out_slots, int64_t t0, int64_t t1);
 
+// The running maximum of a head's scores (a compare and a select, inlined: std::fmax is a call
+// into libm in a build without -ffast-math, which cost ~10% of decode attention).
+inline float max_score(float top, float s) { return s > top ? s : top; }
+
 // One query head's attention over keys at `slots[0..len)` of KV head `kv_head`: scores, then max,
 // exp and their sum, then the values weighted, each in key order: the same order whatever the
 // batch. out: [head_dim]; scores: room for len floats.

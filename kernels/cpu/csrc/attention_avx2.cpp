@@ -58,7 +58,7 @@ RADIXLM_AVX2 void decode_head_avx2(const float* q, int64_t head_dim, const KVLay
     }
     for (int u = 0; u < 4; ++u) {
       scores[j + u] = hsum(acc[u]) * scale;
-      top = std::fmax(top, scores[j + u]);
+      top = max_score(top, scores[j + u]);
     }
   }
   for (; j < len; ++j) {  // the same sums, one key at a time
@@ -66,7 +66,7 @@ RADIXLM_AVX2 void decode_head_avx2(const float* q, int64_t head_dim, const KVLay
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < head_dim; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(key + i), acc);
     scores[j] = hsum(acc) * scale;
-    top = std::fmax(top, scores[j]);
+    top = max_score(top, scores[j]);
   }
   const __m256 topv = _mm256_set1_ps(top);
   __m256 sum = _mm256_setzero_ps();
@@ -95,6 +95,29 @@ RADIXLM_AVX2 void decode_head_avx2(const float* q, int64_t head_dim, const KVLay
 
 namespace {
 
+// Dimensions 8 c0 .. 8 (c0 + W) of G heads' outputs: each key's value chunk read once, weighted
+// for the G heads (each accumulator sums over the keys in key order, as decode_head_avx2's).
+template <int G, int W>
+RADIXLM_AVX2 inline void weigh_values(const float* values, int64_t head_dim, const int64_t* slots, int64_t len,
+                                      const float* scores, const float* total, int64_t c0, float* out) {
+  __m256 acc[G][W];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < W; ++c) acc[g][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < len; ++k) {
+    const float* value = values + slots[k] * head_dim + 8 * c0;
+    __m256 p[G];
+    for (int g = 0; g < G; ++g) p[g] = _mm256_set1_ps(scores[g * len + k]);
+    for (int c = 0; c < W; ++c) {
+      const __m256 v = _mm256_loadu_ps(value + 8 * c);
+      for (int g = 0; g < G; ++g) acc[g][c] = _mm256_fmadd_ps(p[g], v, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m256 inv = _mm256_set1_ps(1.0f / total[g]);
+    for (int c = 0; c < W; ++c) _mm256_storeu_ps(out + g * head_dim + 8 * (c0 + c), _mm256_mul_ps(acc[g][c], inv));
+  }
+}
+
 // decode_head_avx2 for G query heads sharing KV head `kv_head` (q_g at q + g * head_dim): each key
 // and value row read once for the G heads, each head's sums the same chains in the same order as
 // decode_head_avx2's, so the results are bitwise its results.
@@ -106,7 +129,29 @@ RADIXLM_AVX2 void decode_group(const float* q, int64_t head_dim, const KVLayer& 
   const int64_t chunks = head_dim / 8;
   float top[G], total[G];
   for (int g = 0; g < G; ++g) top[g] = -INFINITY;
-  for (int64_t j = 0; j < len; ++j) {  // one key, G chains of multiply-adds
+  // U keys at a time: G x U independent chains of multiply-adds (at most 12, in registers), where
+  // one key's G chains alone would wait on the multiply-add's latency
+  constexpr int U = G <= 3 ? 4 : (G <= 6 ? 2 : 1);
+  int64_t j = 0;
+  for (; j + U <= len; j += U) {
+    const float* key[U];
+    for (int u = 0; u < U; ++u) key[u] = keys + slots[j + u] * head_dim;
+    __m256 acc[U][G];
+    for (int u = 0; u < U; ++u)
+      for (int g = 0; g < G; ++g) acc[u][g] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < chunks; ++i)
+      for (int u = 0; u < U; ++u) {
+        const __m256 k = _mm256_loadu_ps(key[u] + 8 * i);
+        for (int g = 0; g < G; ++g) acc[u][g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + 8 * i), k, acc[u][g]);
+      }
+    for (int u = 0; u < U; ++u)
+      for (int g = 0; g < G; ++g) {
+        const float s = hsum(acc[u][g]) * scale;
+        scores[g * len + j + u] = s;
+        top[g] = max_score(top[g], s);
+      }
+  }
+  for (; j < len; ++j) {  // the rest one key at a time: the same chains
     const float* key = keys + slots[j] * head_dim;
     __m256 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
@@ -117,7 +162,7 @@ RADIXLM_AVX2 void decode_group(const float* q, int64_t head_dim, const KVLayer& 
     for (int g = 0; g < G; ++g) {
       const float s = hsum(acc[g]) * scale;
       scores[g * len + j] = s;
-      top[g] = std::fmax(top[g], s);
+      top[g] = max_score(top[g], s);
     }
   }
   for (int g = 0; g < G; ++g) {  // decode_head_avx2's exp and sum, head by head
@@ -136,24 +181,12 @@ RADIXLM_AVX2 void decode_group(const float* q, int64_t head_dim, const KVLayer& 
       total[g] += sc[j];
     }
   }
-  // the weighted values, 32 dimensions at a time (G x 4 accumulators stay in registers)
-  for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
-    const int64_t width = std::min<int64_t>(4, chunks - c0);
-    __m256 acc[G][4];
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < len; ++k) {
-      const float* value = values + slots[k] * head_dim + 8 * c0;
-      for (int c = 0; c < width; ++c) {
-        const __m256 v = _mm256_loadu_ps(value + 8 * c);
-        for (int g = 0; g < G; ++g) acc[g][c] = _mm256_fmadd_ps(_mm256_set1_ps(scores[g * len + k]), v, acc[g][c]);
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      const __m256 inv = _mm256_set1_ps(1.0f / total[g]);
-      for (int c = 0; c < width; ++c) _mm256_storeu_ps(out + g * head_dim + 8 * (c0 + c), _mm256_mul_ps(acc[g][c], inv));
-    }
-  }
+  // the weighted values, W chunks of 8 dimensions at a time: G x W accumulators and the G
+  // weights of a key stay in registers (more would spill to the stack on every key)
+  constexpr int W = std::max(1, std::min(4, (14 - G) / G));
+  int64_t c0 = 0;
+  for (; c0 + W <= chunks; c0 += W) weigh_values<G, W>(values, head_dim, slots, len, scores, total, c0, out);
+  for (; c0 < chunks; ++c0) weigh_values<G, 1>(values, head_dim, slots, len, scores, total, c0, out);
 }
 
 }  // namespace

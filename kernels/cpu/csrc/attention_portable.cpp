@@ -47,7 +47,7 @@ void decode_head_portable(const float* q, int64_t head_dim, const KVLayer& kv, i
     float dot = 0.0f;
     for (int64_t i = 0; i < head_dim; ++i) dot = std::fma(q[i], key[i], dot);
     scores[j] = dot * scale;
-    top = std::fmax(top, scores[j]);
+    top = max_score(top, scores[j]);
   }
   float total = 0.0f;
   for (int64_t j = 0; j < len; ++j) {
