@@ -11,9 +11,9 @@ per precision:
 * mean |delta logprob| of the text's own next token, and its largest;
 * perplexity of the text.
 
-Each quantized precision is scored twice, once per kernel (runtime/worker/quant.py): "codes"
-is what decode batches read (the int4/int8 codes at every batch size), "dense copy" what
-prefill-sized batches read (more than quant.CODES_ROWS rows).
+Each quantized precision is scored on the codes (runtime/worker/quant.py: what every batch
+reads on a CPU without native bf16), and where the CPU multiplies bf16 natively also on the
+"dense copy" that batches of more than quant.CODES_ROWS rows read there.
 
     python benchmarks/quality.py            # 2,048+ tokens, every precision (a few minutes)
     python benchmarks/quality.py --quick    # 384 tokens, fp32 and auto (CI)

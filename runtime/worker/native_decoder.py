@@ -8,8 +8,9 @@ KV pool, and runs every layer of a decode step in one call: embedding in, final 
 It calls the same kernels in the same order as the model's own forward on those kernels, so a
 step is bitwise the same either way (tested): whether a step fits the decoder never changes a
 token, under --deterministic too. A step fits when every row decodes one token on the codes
-(at most the plan's `dense_above` rows) through the native attention backend; anything else
-(prefill chunks, verify rows, larger batches) runs op by op.
+(any number of rows, or at most the plan's `dense_above` where it keeps dense copies) through
+the native attention backend; anything else (prefill chunks, verify rows, batches on the dense
+copies) runs op by op.
 """
 
 from __future__ import annotations

@@ -15,11 +15,15 @@ exact, nothing requantized. Everything else (dense
 checkpoints, other GGUF types) is quantized here from its dequantized values when asked:
 int4 by each group's min and max (Q4_1's rule), int8 symmetric per group (Q8_0's).
 
-Which kernel runs a step's matmuls is a fact of the batch, never a timing: batches of up to
-`CODES_ROWS` rows (decode) read the codes; larger ones (prefill) run on a dense copy of the
-served values through oneDNN (bf16 where this CPU has AVX-512 bf16, else fp32), made once at
-load. Under --deterministic every batch reads the codes: the kernel sums each output in one
-order whatever the batch, so batch invariance costs no padding.
+Which kernel runs a step's matmuls is a fact of the CPU and the batch, never a timing. Where
+oneDNN multiplies bf16 natively (AVX-512 bf16, AMX), batches of more than `CODES_ROWS` rows
+(prefill, large decode batches) run on a bf16 dense copy of the served values, made once at
+load. Everywhere else every batch reads the codes: the kernel's 16-bit integer multiply-adds
+take 16 products an instruction where an fp32 FMA takes 8, so on the codes a batch of 32 ran
+1.2-1.5x and prefill rows 1.1-1.4x as fast as oneDNN's fp32 on the same values (AMD EPYC, AVX2:
+benchmarks/README.md), with no dense copy in memory. Under --deterministic every batch reads the
+codes: the kernel sums each output in one order whatever the batch, so batch invariance costs
+no padding.
 
 The embedding table and the LM head never go below 8 bits (the LM head's precision is most of
 a small model's quality loss): a Q8_0 table is served from its codes, any other as int8 in
@@ -41,9 +45,9 @@ from radixlm.runtime.args import QUANT_GROUP_SIZES as GROUP_SIZES, QUANTIZATIONS
 log = logging.getLogger(__name__)
 
 KERNEL_GROUP = 32  # columns per scale in the kernels' layout
-# Batches of up to this many rows read the codes, larger ones the dense copy. On the AVX2 EPYC
-# the codes led fp32 oneDNN 2x at 1-4 rows and tied at 16 (benchmarks/README.md); a fixed rule,
-# so the same file on the same machine is always served the same way.
+# Where the CPU multiplies bf16 natively, batches of up to this many rows read the codes and
+# larger ones the bf16 dense copy (a fixed rule: the same file on the same machine is always
+# served the same way).
 CODES_ROWS = 8
 
 
@@ -221,6 +225,12 @@ def native_kernels() -> str | None:
         return None
 
 
+def native_bf16() -> bool:
+    """Whether oneDNN multiplies bf16 natively on this CPU (AVX-512 bf16 or AMX): only there do
+    large batches run faster on a dense copy than on the codes."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def quantize_model(model: torch.nn.Module, method: str, group: int) -> Summary:
     """Serve `model`'s matrices as `method` says (see the module's docstring); its weights stay
     dense for `none`, and for `auto` where the file holds them dense or no native kernels can
@@ -259,15 +269,16 @@ def quantize_model(model: torch.nn.Module, method: str, group: int) -> Summary:
         formats.setdefault("embedding and LM head", set()).add(how)
     summary = Summary(requested, "none", {k: "; ".join(sorted(v)) for k, v in formats.items()}, 0,
                       kernels=kernels if chosen else "none")
-    if chosen:
+    if chosen and native_bf16():
         summary.plan = Plan(CODES_ROWS)
-        dense_dtype = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
         for m, q in chosen.items():
             # a table's dense copy stays fp32: bf16 weights in the LM head cost as much agreement
             # with fp32 as per-row int8 did (benchmarks/quality.py)
-            q.settle(torch.float32 if m in tables else dense_dtype)
+            q.settle(torch.float32 if m in tables else torch.bfloat16)
         log.info("quantized weights on the native kernels (%s): batches of up to %d rows on the codes, larger ones "
-                 "on dense %s copies", kernels, CODES_ROWS, str(dense_dtype).removeprefix("torch."))
+                 "on dense bf16 copies", kernels, CODES_ROWS)
+    elif chosen:
+        log.info("quantized weights on the native kernels (%s): every batch on the codes", kernels)
     for m in linears + tables:
         for attr in ("file_blocks", "keep_blocks"):  # the codes now live in the served matrices
             m.weight.__dict__.pop(attr, None)

@@ -72,7 +72,7 @@ def test_chat_and_batches_on_the_quantized_kernels(served):
     prompt = served.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     out = served.generate(prompt, {"max_new_tokens": 16, "temperature": 0})
     assert "Paris" in out["text"]
-    # the same prompt in a batch of 12 (decode rows on the codes, prefill on the dense copies) and alone
+    # the same prompt in a batch of 12 (prefill on the dense copies where the CPU has native bf16) and alone
     many = served.generate([prompt] + [f"Count to {i}:" for i in range(11)], {"max_new_tokens": 16, "temperature": 0})
     assert "Paris" in many[0]["text"]
     assert_drained(served)
@@ -99,8 +99,9 @@ def _greedy_with_and_without_the_decoder(engine, prompts, new_tokens):
 
 def test_the_native_decoder_is_the_ops_bit_for_bit(served):
     """A decode step in one native call (runtime/worker/native_decoder.py) gives the same bits as
-    the model's forward op by op: tokens and logprobs, in batches that fit it (6 rows) and in steps
-    that do not (prefill, 12 rows on the dense copies)."""
+    the model's forward op by op: tokens and logprobs, in batches of 6 and 12 rows (on a CPU with
+    native bf16, 12 rows take the dense copies and run op by op) and in steps that do not fit it
+    (prefill)."""
     tok = served.tokenizer
     prompts = [tok.encode(f"Story {i}: once upon a time" + " and then" * (3 * i), add_special_tokens=False)
                for i in range(12)]

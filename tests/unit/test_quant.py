@@ -139,6 +139,38 @@ def test_matmul_takes_the_dense_copy_above_the_plans_rows():
     assert torch.allclose(m.matmul(x, bias, quant.Plan(dense_above=8)), dense + bias)
 
 
+def _toy_model() -> torch.nn.Module:
+    """Two layer matrices and a table, marked as the model classes mark theirs."""
+    model = torch.nn.Module()
+    model.up, model.down, model.table = torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(96, 64, bias=False), \
+        torch.nn.Embedding(40, 64)
+    for name, role in (("up", "linear"), ("down", "linear"), ("table", "table")):
+        getattr(model, name).quant_role = role
+    return model
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_plan_is_a_fact_of_the_cpu(monkeypatch, bf16):
+    """Dense copies (and a row count above which batches read them) only where oneDNN multiplies
+    bf16 natively; on any other CPU every batch reads the codes and no copy is kept."""
+    monkeypatch.setattr(quant, "native_bf16", lambda: bf16)
+    if bf16:  # oneDNN lays bf16 out only on a CPU that has it: keep the copies plain here
+        monkeypatch.setattr(quant, "_pack_dense", lambda w: w)
+    model = _toy_model()
+    summary = quant.quantize_model(model, "int8", 32)
+    served = [model.up.weight, model.down.weight, model.table.weight]
+    assert all(isinstance(w, quant.QuantizedMatrix) for w in served)
+    if bf16:
+        assert summary.plan == quant.Plan(quant.CODES_ROWS)
+        assert [w.dense.dtype for w in served] == [torch.bfloat16, torch.bfloat16, torch.float32]  # the LM head's fp32
+    else:
+        assert summary.plan == quant.Plan() and all(w.dense is None for w in served)
+        x = torch.randn(64, 96)  # a prefill-sized batch: the codes, as one row alone gives
+        assert torch.equal(model.down.weight.matmul(x, None, summary.plan)[5:6], model.down.weight.kernel(x[5:6].clone()))
+    assert summary.invariant_plan == quant.Plan()  # --deterministic: the codes whatever the CPU
+    assert summary.weight_bytes == sum(w.nbytes for w in served)
+
+
 def test_bad_quantization_options_are_named():
     with pytest.raises(ValueError, match="quantization must be one of"):
         ServerArgs(quantization="fp8")
