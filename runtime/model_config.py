@@ -17,9 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Architectures the Llama-family model class serves, by HF `architectures` name.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "GraniteForCausalLM", "Olmo2ForCausalLM", "SmolLM3ForCausalLM")
 # GGUF `general.architecture` -> HF architecture.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+# llama.cpp's SmolLM3 leaves rotary out of every 4th layer; no GGUF key says so (it is fixed there)
+SMOLLM3_NO_ROPE_STEP = 4
 
 
 class UnsupportedModelError(ValueError):
@@ -41,7 +45,17 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
+    # RMSNorm over q and k before rotary: "" none, "head" over each head (Qwen3), "projection" over
+    # all of q's and all of k's heads at once (OLMo 2)
+    qk_norm: str = ""
+    post_norm: bool = False  # OLMo 2: each sublayer's output normalized before its residual add, no input norms
+    # Granite's multipliers: the embeddings', each sublayer output's before its residual add, the
+    # attention's scale (None: head_dim ** -0.5) and the logits' divisor
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    rope_layers: list[bool] | None = None  # SmolLM3: which layers rotate q and k (None: all)
     rope_scaling: dict[str, Any] | None = None
     sliding_window: int | None = None
     bos_token_id: int | None = None
@@ -54,6 +68,17 @@ class ModelConfig:
             )
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.qk_norm not in ("", "head", "projection"):
+            raise ValueError(f"qk_norm must be '', 'head' or 'projection', not {self.qk_norm!r}")
+        if self.rope_layers is not None and len(self.rope_layers) != self.num_layers:
+            raise UnsupportedModelError(f"the config names rotary for {len(self.rope_layers)} layers of {self.num_layers}")
+
+    @property
+    def plain(self) -> bool:
+        """Whether every layer is a Llama layer as written: pre-norms, rotary everywhere, no q/k
+        norms, no multipliers (what the native decoder runs)."""
+        return (not self.qk_norm and not self.post_norm and self.rope_layers is None and self.embedding_multiplier == 1
+                and self.residual_multiplier == 1 and self.attention_multiplier is None and self.logits_scaling == 1)
 
     @property
     def context_length(self) -> int:
@@ -79,6 +104,14 @@ class ModelConfig:
             if params.get("rope_type", "default") != "default":
                 rope_scaling = rope_scaling or params
         use_sliding = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
+        if cfg.get("mlp_bias"):
+            raise UnsupportedModelError(f"{arch} with mlp_bias is not supported (no bias on the MLP projections)")
+        rope_layers = None
+        if arch == "SmolLM3ForCausalLM" and cfg.get("no_rope_layers") is not None:
+            # HF's name reads backwards: entry i is 1 where layer i *uses* rotary
+            rope_layers = [bool(x) for x in cfg["no_rope_layers"]]
+            rope_layers = None if all(rope_layers) else rope_layers
+        granite = arch == "GraniteForCausalLM"
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -93,7 +126,13 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm={"Qwen3ForCausalLM": "head", "Olmo2ForCausalLM": "projection"}.get(arch, ""),
+            post_norm=arch == "Olmo2ForCausalLM",
+            embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)) if granite else 1.0,
+            residual_multiplier=float(cfg.get("residual_multiplier", 1.0)) if granite else 1.0,
+            attention_multiplier=float(cfg["attention_multiplier"]) if granite and "attention_multiplier" in cfg else None,
+            logits_scaling=float(cfg.get("logits_scaling", 1.0)) if granite else 1.0,
+            rope_layers=rope_layers,
             rope_scaling=rope_scaling,
             sliding_window=cfg.get("sliding_window") if use_sliding else None,
             bos_token_id=cfg.get("bos_token_id"),
@@ -101,7 +140,9 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_gguf(cls, meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    def from_gguf(cls, meta: dict[str, Any], tensor_names: set[str], rope_factors: list[float] | None = None) -> ModelConfig:
+        """`rope_factors`: the file's `rope_freqs` tensor, where llama.cpp's converter wrote a
+        scaled rotary (Llama 3.1's) as each frequency's divisor."""
         arch_name = meta["general.architecture"]
         if arch_name not in GGUF_ARCHITECTURES:
             raise UnsupportedModelError(
@@ -112,21 +153,39 @@ class ModelConfig:
         hidden = int(meta[f"{a}.embedding_length"])
         eos = meta.get("tokenizer.ggml.eos_token_id")
         vocab = meta.get(f"{a}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
+        layers = int(meta[f"{a}.block_count"])
+        rope_layers = [(i + 1) % SMOLLM3_NO_ROPE_STEP != 0 for i in range(layers)] if a == "smollm3" else None
+        granite = a == "granite"
+        rope_scaling = None
+        if rope_factors is not None:
+            rope_scaling = {"rope_type": "factors", "factors": list(rope_factors)}
+        elif meta.get(f"{a}.rope.scaling.type") == "linear":
+            rope_scaling = {"rope_type": "linear", "factor": float(meta[f"{a}.rope.scaling.factor"])}
+        elif meta.get(f"{a}.rope.scaling.type", "none") != "none":
+            raise UnsupportedModelError(f"GGUF rope scaling {meta[f'{a}.rope.scaling.type']!r} is not supported "
+                                        "(supported: linear, and per-frequency factors in rope_freqs)")
         return cls(
             architecture=GGUF_ARCHITECTURES[a],
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(meta[f"{a}.feed_forward_length"]),
-            num_layers=int(meta[f"{a}.block_count"]),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(meta.get(f"{a}.attention.head_count_kv", heads)),
             head_dim=int(meta.get(f"{a}.attention.key_length", hidden // heads)),
             rms_norm_eps=float(meta[f"{a}.attention.layer_norm_rms_epsilon"]),
             rope_theta=float(meta.get(f"{a}.rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling,
             max_position_embeddings=int(meta.get(f"{a}.context_length", 4096)),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
-            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            qk_norm=("projection" if a == "olmo2" else "head") if "blk.0.attn_q_norm.weight" in tensor_names else "",
+            post_norm=a == "olmo2",
+            embedding_multiplier=float(meta.get(f"{a}.embedding_scale", 1.0)) if granite else 1.0,
+            residual_multiplier=float(meta.get(f"{a}.residual_scale", 1.0)) if granite else 1.0,
+            attention_multiplier=float(meta[f"{a}.attention.scale"]) if granite and f"{a}.attention.scale" in meta else None,
+            logits_scaling=float(meta.get(f"{a}.logit_scale", 1.0)) if granite else 1.0,
+            rope_layers=None if rope_layers is None or all(rope_layers) else rope_layers,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[int(eos)] if eos is not None else [],
         )
@@ -194,7 +253,8 @@ def weights_fingerprint(src: ModelSource, sample: int = 1 << 20) -> str:
 def load_config(src: ModelSource) -> ModelConfig:
     if src.is_gguf:
         reader = gguf_reader(src.path)
-        return ModelConfig.from_gguf(gguf_metadata(reader), {t.name for t in reader.tensors})
+        factors = next(([float(x) for x in t.data] for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+        return ModelConfig.from_gguf(gguf_metadata(reader), {t.name for t in reader.tensors}, factors)
     with open(os.path.join(src.path, "config.json")) as f:
         return ModelConfig.from_hf(json.load(f))
 

@@ -38,6 +38,12 @@ TINY_CONFIGS = {
     "mistral": ("MistralConfig", dict(sliding_window=None)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False)),
+    # Granite's four multipliers, each far from 1 so that one left out changes the tokens
+    "granite": ("GraniteConfig", dict(tie_word_embeddings=True, embedding_multiplier=1.5, residual_multiplier=0.8,
+                                      attention_multiplier=0.4, logits_scaling=2.0)),
+    "olmo2": ("Olmo2Config", dict(tie_word_embeddings=False)),  # post-norms, q/k norms over whole projections
+    # 4 layers, the last without rotary (HF's default step, and llama.cpp's fixed one)
+    "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4)),
 }
 
 
@@ -45,13 +51,19 @@ def make_tiny_checkpoint(kind: str, path: str, vocab_size: int = TINY_VOCAB) -> 
     import transformers
 
     cls_name, extra = TINY_CONFIGS[kind]
-    config = getattr(transformers, cls_name)(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1, **extra,
-    )
+    config = getattr(transformers, cls_name)(**{
+        **dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+               rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1),
+        **extra})
     torch.manual_seed(1234)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # HF starts norm weights at one and biases at zero: a swapped or dropped one would not show
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
     model.save_pretrained(path)
 
 

@@ -207,7 +207,8 @@ def _copy_loader(param: nn.Parameter, loaded: Weight, shard: int = 0) -> None:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding in the "rotate half" layout, with an optional llama3 frequency scaling."""
+    """Rotary position embedding in the "rotate half" layout, with an optional frequency scaling
+    (linear, llama3, or a GGUF's per-frequency factors)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
@@ -239,6 +240,11 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Te
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "factors":  # a GGUF's rope_freqs: each frequency's divisor, as llama.cpp applies it
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_freqs holds {factors.numel()} factors for {inv_freq.numel()} frequencies")
+        return inv_freq / factors
     if kind != "llama3":
         raise NotImplementedError(f"rope scaling {kind!r} is not supported (supported: default, linear, llama3)")
     factor = float(scaling["factor"])

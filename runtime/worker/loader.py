@@ -95,6 +95,8 @@ _GGUF_LAYER_NAMES = {
     "attn_output.weight": "self_attn.o_proj.weight",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",  # OLMo 2's norms after each sublayer
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -116,6 +118,10 @@ def gguf_to_hf_name(name: str) -> str | None:
     return None  # e.g. rope_freqs: derived from the config instead
 
 
+# families whose q/k rows llama.cpp's converter permutes (its LlamaModel and the classes built on it)
+PERMUTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
+
+
 def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's conversion, which interleaves the two rotary halves of each q/k head."""
     rows = w.shape[0]
@@ -124,7 +130,7 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, GGUFTensor]]:
     reader = gguf_reader(path)
-    permuted = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+    permuted = config.architecture in PERMUTED_ARCHITECTURES
     for t in reader.tensors:
         name = gguf_to_hf_name(t.name)
         if name is None:

@@ -56,14 +56,14 @@ class NativeDecoder:
 
     @staticmethod
     def build(worker: ModelWorker) -> NativeDecoder | None:
-        """The decoder for `worker`'s model, or None where its steps must run op by op: a family
-        the decoder does not run (q/k norms), tensor parallelism, weights not all on the codes,
-        or another attention backend."""
+        """The decoder for `worker`'s model, or None where its steps must run op by op: layers
+        the decoder does not run (q/k norms, post-norms, multipliers, layers without rotary),
+        tensor parallelism, weights not all on the codes, or another attention backend."""
         from radixlm.runtime.worker.attention.native_backend import NativeAttention
         from radixlm.runtime.worker.models.llama import LlamaForCausalLM
 
         model = worker.model
-        if (type(model) is not LlamaForCausalLM or model.cfg.qk_norm or worker.tp.size > 1
+        if (type(model) is not LlamaForCausalLM or not model.cfg.plain or worker.tp.size > 1
                 or type(worker.attn_backend) is not NativeAttention or worker.dtype != torch.float32
                 or not getattr(model.norm, "native", False)):
             return None

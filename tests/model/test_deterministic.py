@@ -130,3 +130,17 @@ def test_smollm2_deterministic_is_batch_invariant_and_matches_transformers(smol)
         assert_matches(ids, ref, "deterministic")
     assert_drained(engine)
     assert_drained(chunked)
+
+
+def test_every_family_batched_and_chunked_is_bitwise_alone(tiny):
+    """Each supported family's variations (biases, q/k norms, post-norms, multipliers, layers
+    without rotary) keep the guarantee: one batch with 16-token chunks, against each request alone."""
+    prompts = _prompts(tiny)
+    engine = tiny.engine(deterministic=True)
+    alone_runs = []
+    for i, prompt in enumerate(prompts):
+        engine.flush_cache()
+        alone_runs.append(_key(engine.generate(input_ids=prompt, sampling_params=_params(i), return_logprob=True,
+                                               logprob_start_len=0)))
+    batched = tiny.engine(deterministic=True, chunked_prefill_size=16)
+    assert _run(batched, prompts, prompt_logprobs=True) == alone_runs

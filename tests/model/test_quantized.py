@@ -112,10 +112,11 @@ def test_the_native_decoder_is_the_ops_bit_for_bit(served):
             assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "granite", "olmo2", "smollm3"])
 def test_the_native_decoder_runs_tiny_families(kind, tmp_path):
     """Tied and untied tables, llama3 rotary scaling, Qwen2's qkv bias: int8 codes through the decoder
-    equal the same codes op by op. Qwen3's q/k norms are not the decoder's: its steps run op by op."""
+    equal the same codes op by op. Qwen3's q/k norms, Granite's multipliers, OLMo 2's post-norms and
+    SmolLM3's layers without rotary are not the decoder's: their steps run op by op."""
     from conftest import make_tiny_checkpoint
     from oracle import random_prompts
 
@@ -132,8 +133,8 @@ def test_the_native_decoder_runs_tiny_families(kind, tmp_path):
         hf.save_pretrained(str(tmp_path))
     engine = LocalEngine(str(tmp_path), skip_tokenizer_init=True, max_total_tokens=4096, quantization="int8")
     try:
-        if kind == "qwen3":
-            assert engine.worker.native_decoder is None
+        if kind in ("qwen3", "granite", "olmo2", "smollm3"):
+            assert engine.worker.native_decoder is None and not engine.worker.config.plain
             return
         fused, ops = _greedy_with_and_without_the_decoder(engine, random_prompts(512, 5, seed=3), 16)
         for a, b in zip(fused, ops):

@@ -46,11 +46,29 @@ def _hf_config(**kw):
 
 def test_config_from_hf_reads_family_flags():
     llama = ModelConfig.from_hf(_hf_config())
-    assert (llama.head_dim, llama.num_kv_heads, llama.eos_token_ids, llama.qk_norm) == (16, 2, [2, 3], False)
+    assert (llama.head_dim, llama.num_kv_heads, llama.eos_token_ids, llama.qk_norm) == (16, 2, [2, 3], "")
+    assert llama.plain
     qwen2 = ModelConfig.from_hf(_hf_config(architectures=["Qwen2ForCausalLM"]))
-    assert qwen2.attention_bias and not qwen2.qk_norm
+    assert qwen2.attention_bias and not qwen2.qk_norm and qwen2.plain
     qwen3 = ModelConfig.from_hf(_hf_config(architectures=["Qwen3ForCausalLM"], head_dim=32))
-    assert qwen3.qk_norm and qwen3.head_dim == 32
+    assert qwen3.qk_norm == "head" and qwen3.head_dim == 32 and not qwen3.plain
+    granite = ModelConfig.from_hf(_hf_config(architectures=["GraniteForCausalLM"], embedding_multiplier=12.0,
+                                             residual_multiplier=0.22, attention_multiplier=0.0078125,
+                                             logits_scaling=8.0))
+    assert (granite.embedding_multiplier, granite.residual_multiplier, granite.attention_multiplier,
+            granite.logits_scaling) == (12.0, 0.22, 0.0078125, 8.0) and not granite.plain
+    assert not granite.qk_norm and not granite.post_norm and granite.rope_layers is None
+    olmo2 = ModelConfig.from_hf(_hf_config(architectures=["Olmo2ForCausalLM"]))
+    assert olmo2.qk_norm == "projection" and olmo2.post_norm and olmo2.embedding_multiplier == 1
+    smollm3 = ModelConfig.from_hf(_hf_config(architectures=["SmolLM3ForCausalLM"], no_rope_layers=[1, 0]))
+    assert smollm3.rope_layers == [True, False] and not smollm3.plain  # 1: the layer uses rotary
+    assert ModelConfig.from_hf(_hf_config(architectures=["SmolLM3ForCausalLM"], no_rope_layers=[1, 1])).plain
+    # the multipliers are Granite's: another family's config carrying such a key is not scaled
+    assert ModelConfig.from_hf(_hf_config(embedding_multiplier=12.0)).embedding_multiplier == 1.0
+    with pytest.raises(UnsupportedModelError, match="mlp_bias"):
+        ModelConfig.from_hf(_hf_config(architectures=["GraniteForCausalLM"], mlp_bias=True))
+    with pytest.raises(UnsupportedModelError, match="rotary for 3 layers of 2"):
+        ModelConfig.from_hf(_hf_config(architectures=["SmolLM3ForCausalLM"], no_rope_layers=[1, 0, 1]))
     mistral = ModelConfig.from_hf(_hf_config(architectures=["MistralForCausalLM"], sliding_window=64,
                                              max_position_embeddings=4096))
     assert mistral.context_length == 64  # no sliding-window kernel: cap the context instead

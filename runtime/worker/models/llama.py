@@ -1,4 +1,8 @@
-"""The Llama-family decoder: Llama 2/3, SmolLM, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+"""The Llama-family decoder: Llama 2/3, SmolLM, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm per
+head), Granite (multipliers on the embeddings, the residual branches, the attention scale and the
+logits), OLMo 2 (norms after each sublayer instead of before, q/k norm over the whole
+projection) and SmolLM3 (some layers without rotary). Each variation is a field of ModelConfig,
+off by default, so a plain Llama runs exactly the ops it always ran.
 
 Attention reads and writes the paged KV pool through the attention backend that
 the ForwardBatch carries, so the model itself is stateless between steps.
@@ -9,7 +13,6 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixlm.runtime.worker.forward_batch import ForwardBatch
@@ -31,35 +34,47 @@ class Attention(nn.Module):
         super().__init__()
         if cfg.num_heads % tp.size:
             raise ValueError(f"num_attention_heads={cfg.num_heads} is not divisible by tensor-parallel size {tp.size}")
+        if cfg.qk_norm == "projection" and tp.size > 1:
+            raise ValueError(f"{cfg.architecture} normalizes q and k over all heads at once, which tensor parallelism "
+                             "splits across ranks: serve it with --tp-size 1")
         self.layer_id = layer_id
         self.num_heads = cfg.num_heads // tp.size
         self.num_kv_heads, first_kv = tp.kv_heads(cfg.num_kv_heads)
         self.head_dim = d = cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_multiplier if cfg.attention_multiplier is not None else cfg.head_dim**-0.5
+        self.use_rope = cfg.rope_layers is None or cfg.rope_layers[layer_id]
         q_size = cfg.num_heads * d
         kv = (self.num_kv_heads * d, first_kv * d)
         self.qkv_proj = MergedColumnLinear(cfg.hidden_size, [*MergedColumnLinear.even(tp, [q_size]), kv, kv],
                                            cfg.attention_bias)
         self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, tp)
         self.rotary = rotary
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.qk_norm = cfg.qk_norm
+        norm_dims = {"head": (d, d), "projection": (q_size, cfg.num_kv_heads * d)}.get(cfg.qk_norm)
+        self.q_norm = RMSNorm(norm_dims[0], cfg.rms_norm_eps) if norm_dims else None
+        self.k_norm = RMSNorm(norm_dims[1], cfg.rms_norm_eps) if norm_dims else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, fb: ForwardBatch) -> torch.Tensor:
         q_len, kv_len = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)
-        if fb.attn_backend.fuses_rotary and self.q_norm is None:  # rotary, the K/V store and attention in two calls
+        if fb.attn_backend.fuses_rotary and self.q_norm is None and self.use_rope:
+            # rotary, the K/V store and attention in two calls
             out = fb.attn_backend.forward_qkv(qkv, self.rotary.cos2, self.rotary.sin2, self.num_heads,
                                               self.num_kv_heads, self.layer_id, self.scale, fb)
             return self.o_proj(out)
         v = qkv[:, q_len + kv_len:].view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:  # q and k side by side: one rotation for both
+        if self.q_norm is None and self.use_rope:  # q and k side by side: one rotation for both
             qk = qkv[:, : q_len + kv_len].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
             q, k = self.rotary.rotate(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         else:
-            q = self.q_norm(qkv[:, :q_len].view(-1, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, q_len : q_len + kv_len].view(-1, self.num_kv_heads, self.head_dim))
-            q, k = self.rotary.rotate(q, *rope), self.rotary.rotate(k, *rope)
+            q, k = qkv[:, :q_len], qkv[:, q_len : q_len + kv_len]
+            if self.qk_norm == "projection":  # over every head at once, then split into heads
+                q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+            q, k = q.reshape(-1, self.num_heads, self.head_dim), k.reshape(-1, self.num_kv_heads, self.head_dim)
+            if self.qk_norm == "head":
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.use_rope:
+                q, k = self.rotary.rotate(q, *rope), self.rotary.rotate(k, *rope)
         out = fb.attn_backend.forward(q, k, v, self.layer_id, self.scale, fb)
         return self.o_proj(out.reshape(-1, q_len))
 
@@ -81,21 +96,33 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, layer_id, rotary, tp)
         self.mlp = MLP(cfg, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_norm = cfg.post_norm
+        self.residual_multiplier = cfg.residual_multiplier
+        if cfg.post_norm:
+            self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        else:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(this layer's output h, the residual stream before it is added): the next norm adds
         them, so each residual add rides on a norm. The first layer gets the embeddings as h
-        and no residual."""
+        and no residual. Post-norm layers (OLMo 2) add their own residuals and return None."""
+        if self.post_norm:
+            h = h + self.post_attention_layernorm(self.self_attn(h, rope, fb))
+            return h + self.post_feedforward_layernorm(self.mlp(h)), None
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
             h = self.input_layernorm(h, residual)
         h = self.self_attn(h, rope, fb)
+        if self.residual_multiplier != 1:  # Granite: each branch scaled before its add
+            h = h * self.residual_multiplier
         h = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        h = self.mlp(h)
+        return (h * self.residual_multiplier if self.residual_multiplier != 1 else h), residual
 
 
 # checkpoint name fragment -> (our fused parameter fragment, block index within it)
@@ -123,6 +150,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Final hidden states of every token in the batch, [tokens, hidden]."""
         h, residual = self.embed_tokens(fb.input_ids), None
+        if self.cfg.embedding_multiplier != 1:
+            h = h * self.cfg.embedding_multiplier
         # a backend that fuses rotary reads the full tables itself (q/k-norm models still rotate here)
         fused = fb.attn_backend.fuses_rotary and not self.cfg.qk_norm
         rope = None if fused else self.rotary.tables(fb.positions)
@@ -131,7 +160,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.logits(hidden).float()
+        logits = self.lm_head.logits(hidden).float()
+        return logits / self.cfg.logits_scaling if self.cfg.logits_scaling != 1 else logits
 
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         params = dict(self.named_parameters())
@@ -165,4 +195,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "GraniteForCausalLM": LlamaForCausalLM,
+    "Olmo2ForCausalLM": LlamaForCausalLM,
+    "SmolLM3ForCausalLM": LlamaForCausalLM,
 }
