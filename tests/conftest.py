@@ -230,3 +230,19 @@ def server():
     yield srv
     code = srv.stop()
     assert code == 0, srv.output()
+
+
+COMPILE_LIMIT_S = 8
+
+
+@pytest.fixture(scope="session")
+def compile_limit_server():
+    """A live server for the constraints that never finish compiling (outlines' DFA for
+    (a|b)*a(a|b){40} has 2^41 states on any machine): a short --constraint-timeout, so each
+    such test waits 8 s, not the shared server's 20."""
+    from server.conftest import LiveServer
+
+    srv = LiveServer("--constraint-timeout", str(COMPILE_LIMIT_S), "--grammar-backend", "outlines")
+    yield srv
+    code = srv.stop()
+    assert code == 0, srv.output()

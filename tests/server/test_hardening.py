@@ -35,7 +35,8 @@ def _serves_on(url: str) -> None:
     ({"text": "x", "sampling_params": {"n": 3, "json_schema": json.dumps({"$ref": "#/$defs/nowhere"})}}, 1,
      "Invalid reference"),
 ], ids=["n=2 explosive regex", "two clients, one bad regex", "n=3 unknown $ref"])
-def test_the_requests_that_took_the_server_down_get_a_400(server, body, copies, fragment):
+def test_the_requests_that_took_the_server_down_get_a_400(compile_limit_server, body, copies, fragment):
+    server = compile_limit_server
     with concurrent.futures.ThreadPoolExecutor(copies) as pool:
         responses = list(pool.map(lambda _: _generate(server.url, body), range(copies)))
     for r in responses:
@@ -61,9 +62,10 @@ def _scheduler_pid(srv: LiveServer) -> int:
     raise AssertionError("no radixlm-sched process")
 
 
-def test_the_scheduler_sleeps_while_a_request_waits_on_its_constraint(server):
+def test_the_scheduler_sleeps_while_a_request_waits_on_its_constraint(compile_limit_server):
     """Before: an aborted request's finished compile was never collected, and from then on the
     scheduler spun a core whenever another request waited on a compile."""
+    server = compile_limit_server
     tag = uuid.uuid4().hex[:8]  # constraints no earlier test compiled
     abandoned = {"text": "x", "rid": f"abandoned-{tag}", "sampling_params": {"regex": f"[a-z]{{1,200}}{tag}"}}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -72,7 +74,7 @@ def test_the_scheduler_sleeps_while_a_request_waits_on_its_constraint(server):
         httpx.post(server.url + "/abort_request", json={"rid": abandoned["rid"]}, timeout=10)
         first.result()
         slow = pool.submit(_generate, server.url, {"text": "x", "sampling_params": {
-            "max_new_tokens": 2, "regex": f"(a|b)*a(a|b){{40}}{tag}"}})  # compiles until the 10 s limit
+            "max_new_tokens": 2, "regex": f"(a|b)*a(a|b){{40}}{tag}"}})  # compiles until the server's limit
         time.sleep(2.0)  # the abandoned compile has ended by now
         pid = _scheduler_pid(server)
         before = _cpu_seconds(pid)
