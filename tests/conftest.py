@@ -30,6 +30,9 @@ settings.load_profile("dev")
 TINY_VOCAB = 512
 NEW_TOKENS = 32
 
+# LongRoPE over 12 of a 16-dimension head: 6 frequencies, each its own factor
+PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+             "short_factor": [1.0, 1.3, 1.7, 2.2, 3.0, 4.0], "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}
 # Small shapes of each supported family; each exercises a different code path.
 TINY_CONFIGS = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=True, rope_scaling={
@@ -44,10 +47,28 @@ TINY_CONFIGS = {
     "olmo2": ("Olmo2Config", dict(tie_word_embeddings=False)),  # post-norms, q/k norms over whole projections
     # 4 layers, the last without rotary (HF's default step, and llama.cpp's fixed one)
     "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4)),
+    # sliding layers (a window far shorter than the prompts) beside global ones, each family's
+    # pattern as llama.cpp fixes it; soft caps small enough to change the tokens (the final one
+    # keeps their order: the logprob check is what sees it); Gemma 3's global layers on a
+    # scaled rotary, its sliding ones on their own base; head_dim apart from hidden / heads
+    "gemma2": ("Gemma2Config", dict(num_hidden_layers=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
+                                    attn_logit_softcapping=1.0, final_logit_softcapping=2.0)),
+    "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
+                                        rope_parameters={
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                            "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                               "rope_theta": 1000000.0}})),
+    # mixtures of experts: 4 experts, 2 a token, the routers' weights random (every expert is hit)
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                         norm_topk_prob=True, tie_word_embeddings=False)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    # q/k/v and gate/up fused in the checkpoint; Phi-4's partial rotary (12 of 16 dimensions) under
+    # LongRoPE's short factors (the context is the original one: no attention factor)
+    "phi3": ("Phi3Config", dict(original_max_position_embeddings=1024, rope_parameters=PHI3_ROPE)),
 }
 
 
-def make_tiny_checkpoint(kind: str, path: str, vocab_size: int = TINY_VOCAB) -> None:
+def make_tiny_checkpoint(kind: str, path: str, vocab_size: int = TINY_VOCAB, **overrides) -> None:
     import transformers
 
     cls_name, extra = TINY_CONFIGS[kind]
@@ -55,7 +76,7 @@ def make_tiny_checkpoint(kind: str, path: str, vocab_size: int = TINY_VOCAB) -> 
         **dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1),
-        **extra})
+        **extra, **overrides})
     torch.manual_seed(1234)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF starts norm weights at one and biases at zero: a swapped or dropped one would not show

@@ -60,13 +60,18 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos2: torch.Tensor, s
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                     rows: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int = 0,
+                     softcap: float = 0.0) -> torch.Tensor:
     d = k_pool.shape[2]
     out = []
     for r in range(rows.shape[0]):
-        slots = table[rows[r], : seq_lens[r]]
+        end = int(seq_lens[r])
+        slots = table[rows[r], max(0, end - window) if window else 0 : end]
         keys, values = k_pool[:, slots], v_pool[:, slots]  # [kv_heads, len, d]
-        o = F.scaled_dot_product_attention(q[r].view(1, -1, 1, d), keys[None], values[None], scale=scale,
-                                           enable_gqa=True)
-        out.append(o.reshape(-1))
+        group = q.shape[1] // d // k_pool.shape[0]
+        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)  # [heads, len, d]
+        scores = torch.einsum("hd,hkd->hk", q[r].view(-1, d), keys) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        out.append(torch.einsum("hk,hkd->hd", torch.softmax(scores, -1), values).reshape(-1))
     return torch.stack(out)

@@ -81,6 +81,7 @@ class ForwardBatch(StepTokens):
     req_to_token: ReqToTokenTable
     attn_backend: AttentionBackend
     attn_meta: Any = field(default=None)  # filled by the backend's prepare()
+    window_meta: dict[int, Any] = field(default_factory=dict)  # the same for sliding layers, by window
 
     @classmethod
     def of(cls, step: StepTokens, kv_pool: KVPool, req_to_token: ReqToTokenTable,

@@ -72,9 +72,13 @@ class MergedColumnLinear(nn.Module):
 
     quant_role = "linear"
 
-    def __init__(self, in_features: int, blocks: Sequence[tuple[int, int]], bias: bool) -> None:
+    def __init__(self, in_features: int, blocks: Sequence[tuple[int, int]], bias: bool,
+                 checkpoint_sizes: Sequence[int] | None = None) -> None:
+        """`checkpoint_sizes`: each block's rows in a checkpoint that fuses them (Phi-3's
+        qkv_proj, gate_up_proj); None where this rank holds every row of every block."""
         super().__init__()
         self.blocks = list(blocks)
+        self.checkpoint_sizes = list(checkpoint_sizes or (size for size, _ in self.blocks))
         out = sum(size for size, _ in self.blocks)
         self.weight = _param((out, in_features), self._load)
         self.bias = _param((out,), self._load) if bias else None
@@ -202,24 +206,48 @@ class SiluMul(nn.Module):
         return F.silu(gate) * up
 
 
+class GeluTanhMul(nn.Module):
+    """gelu(gate) * up for [tokens, 2 * inner] (gate first), GELU's tanh approximation (Gemma's
+    gelu_pytorch_tanh)."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
 def _copy_loader(param: nn.Parameter, loaded: Weight, shard: int = 0) -> None:
     param.data.copy_(loaded.full())
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding in the "rotate half" layout, with an optional frequency scaling
-    (linear, llama3, or a GGUF's per-frequency factors)."""
+    """Rotary position embedding in the "rotate half" layout over the first `dim` dimensions of a
+    head (all of them but for Phi-4's partial rotary), with an optional frequency scaling (linear,
+    llama3, a GGUF's per-frequency factors, or Phi-3's LongRoPE: its long factors wherever the
+    model's context passes its original one, as llama.cpp serves it at that context, and its
+    attention factor on the tables)."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
+    def __init__(self, dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        if scaling:
+        wavelengths = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        inv_freq = 1.0 / wavelengths
+        magnitude = 1.0
+        if scaling and scaling.get("rope_type") == "longrope":
+            long = max_positions > scaling["original_max_position_embeddings"]
+            factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+            if factors.shape != wavelengths.shape:
+                raise ValueError(f"LongRoPE has {factors.numel()} factors for {wavelengths.numel()} frequencies")
+            inv_freq = 1.0 / (factors * wavelengths)
+            magnitude = scaling["attention_factor"]
+        elif scaling:
             inv_freq = _scale_inv_freq(inv_freq, scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         # full-width tables (each frequency twice, as "rotate half" pairs dimension i with i + d/2)
-        self.register_buffer("cos2", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)
-        self.register_buffer("sin2", torch.cat((freqs.sin(), freqs.sin()), dim=-1), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        if magnitude != 1:
+            cos, sin = cos * magnitude, sin * magnitude
+        self.register_buffer("cos2", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin2", torch.cat((sin, sin), dim=-1), persistent=False)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at each position, [tokens, 1, head_dim]: looked up once per forward pass,
@@ -228,7 +256,11 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, heads, head_dim] (any heads: q and k may be rotated together)."""
+        """x: [tokens, heads, head_dim] (any heads: q and k may be rotated together); where the
+        tables are narrower than a head, its first dimensions rotate and the rest pass."""
+        dim = cos.shape[-1]
+        if dim < x.shape[-1]:
+            return torch.cat((RotaryEmbedding.rotate(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
         x32 = x.float()
         x1, x2 = x32.chunk(2, dim=-1)
         return (x32 * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)

@@ -55,8 +55,33 @@ class Weight:
     def full(self) -> torch.Tensor:
         return self._read(self._source[:])
 
+    def rows_from(self, start: int) -> Weight:
+        """The rows from `start` on, as a Weight of their own (one block of a checkpoint tensor
+        that fuses several, as Phi-3's qkv_proj)."""
+        return Weight(_RowsFrom(self._source, start), (self.shape[0] - start, *self.shape[1:]), self.dtype)
+
     def _read(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.dtype is None else t.to(self.dtype)
+
+
+class _RowsFrom:
+    """A checkpoint tensor's rows from `start` on, indexed and read as the tensor itself is."""
+
+    def __init__(self, source: Any, start: int) -> None:
+        self._source, self._start = source, start
+        self.format = getattr(source, "format", "dense")
+        self.has_blocks = getattr(source, "has_blocks", False)
+
+    def _rows(self, rows: slice) -> slice:
+        return slice(self._start + (rows.start or 0), None if rows.stop is None else self._start + rows.stop)
+
+    def __getitem__(self, key: slice | tuple[slice, slice]) -> Any:
+        if isinstance(key, tuple):
+            return self._source[(self._rows(key[0]), *key[1:])]
+        return self._source[self._rows(key)]
+
+    def blocks(self, rows: slice, cols: slice) -> Blocks | None:
+        return self._source.blocks(self._rows(rows), cols)
 
 
 def iter_weights(src: ModelSource, config: ModelConfig) -> Iterator[tuple[str, Weight]]:
@@ -100,7 +125,20 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # a mixture of experts' router
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3's q, k and v in one tensor, as ours
 }
+# where a family's file means another HF tensor by the same name: a Gemma's ffn_norm is the norm
+# before the MLP in a layer that also normalizes each sublayer's output (a Llama's is its
+# post_attention_layernorm); Phi-3's ffn_up holds gate and up in one tensor, as ours
+_GGUF_FAMILY_NAMES = {
+    "Gemma2ForCausalLM": {"ffn_norm.weight": "pre_feedforward_layernorm.weight"},
+    "Gemma3ForCausalLM": {"ffn_norm.weight": "pre_feedforward_layernorm.weight"},
+    "Phi3ForCausalLM": {"ffn_up.weight": "mlp.gate_up_proj.weight"},
+}
+# a mixture of experts' matrices, every expert's stacked in one tensor: [experts, rows, columns]
+_GGUF_EXPERT_NAMES = {"ffn_gate_exps.weight": "gate_proj.weight", "ffn_up_exps.weight": "up_proj.weight",
+                      "ffn_down_exps.weight": "down_proj.weight"}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -109,17 +147,20 @@ _GGUF_GLOBAL_NAMES = {
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def gguf_to_hf_name(name: str) -> str | None:
+def gguf_to_hf_name(name: str, architecture: str = "LlamaForCausalLM") -> str | None:
+    """The HF name of a GGUF tensor of a model of `architecture` (HF's name for it)."""
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     m = _BLOCK.fullmatch(name)
-    if m and m.group(2) in _GGUF_LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}"
-    return None  # e.g. rope_freqs: derived from the config instead
+    if m is None:
+        return None  # e.g. rope_freqs: derived from the config instead
+    hf = _GGUF_FAMILY_NAMES.get(architecture, {}).get(m.group(2)) or _GGUF_LAYER_NAMES.get(m.group(2))
+    return f"model.layers.{m.group(1)}.{hf}" if hf else None
 
 
 # families whose q/k rows llama.cpp's converter permutes (its LlamaModel and the classes built on it)
-PERMUTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
+PERMUTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM",
+                          "MixtralForCausalLM")
 
 
 def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -132,7 +173,13 @@ def _iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, GGUFTensor
     reader = gguf_reader(path)
     permuted = config.architecture in PERMUTED_ARCHITECTURES
     for t in reader.tensors:
-        name = gguf_to_hf_name(t.name)
+        m = _BLOCK.fullmatch(t.name)
+        if m and m.group(2) in _GGUF_EXPERT_NAMES:  # each expert's slice, under HF's per-expert names
+            for e in range(int(t.shape[2])):
+                part = _ExpertPart(t.data[e], t.tensor_type, t.shape[:2])
+                yield f"model.layers.{m.group(1)}.mlp.experts.{e}.{_GGUF_EXPERT_NAMES[m.group(2)]}", GGUFTensor(part)
+            continue
+        name = gguf_to_hf_name(t.name, config.architecture)
         if name is None:
             continue
         heads = None
@@ -141,6 +188,15 @@ def _iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, GGUFTensor
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             heads = config.num_kv_heads
         yield name, GGUFTensor(t, heads)
+
+
+class _ExpertPart(NamedTuple):
+    """One expert's matrix of a stacked GGUF tensor, shaped as a reader's tensor (shape in ggml's
+    order, columns first)."""
+
+    data: np.ndarray
+    tensor_type: Any
+    shape: Any
 
 
 class GGUFTensor:

@@ -50,7 +50,7 @@ class NativeDecoder:
         pool = worker.kv_pool
         self._decoder = torch.classes.radixlm.Decoder(
             weights, formats, pool.k_heads, pool.v_heads, model.rotary.cos2, model.rotary.sin2, first.num_heads,
-            first.num_kv_heads, first.head_dim, float(cfg.rms_norm_eps), float(first.scale))
+            first.num_kv_heads, first.head_dim, float(cfg.rms_norm_eps), float(first.scale), first.window or 0)
         self.worker = worker
         self.steps = 0  # decode steps run here
 

@@ -201,8 +201,11 @@ def test_rope_store_rotates_in_place_and_writes_the_pool(heads, kv_heads, d):
 
 
 @settings(max_examples=25, deadline=None)
-@given(rows=st.integers(1, 6), group=st.sampled_from([1, 3]), d=st.sampled_from([16, 64, 24]), seed=st.integers(0, 999))
-def test_decode_attention_reads_the_pool_through_the_table(rows, group, d, seed):
+@given(rows=st.integers(1, 6), group=st.sampled_from([1, 3]), d=st.sampled_from([16, 64, 24]), seed=st.integers(0, 999),
+       window=st.sampled_from([0, 1, 5, 20]), softcap=st.sampled_from([0.0, 0.5]))
+def test_decode_attention_reads_the_pool_through_the_table(rows, group, d, seed, window, softcap):
+    """Each row over its keys (a sliding layer's last `window`; scores soft-capped as Gemma 2's
+    where `softcap`) against the torch reference, on every path this CPU runs."""
     gen = torch.Generator().manual_seed(seed)
     kv_heads = 2
     heads = kv_heads * group
@@ -211,14 +214,15 @@ def test_decode_attention_reads_the_pool_through_the_table(rows, group, d, seed)
     table_rows = torch.randperm(8, generator=gen)[:rows]
     lens = torch.randint(1, 38, (rows,), generator=gen)
     q = qkv[:, : heads * d]  # strided rows, as the model's qkv holds them
-    want = ref.decode_attention(q, k_pool, v_pool, table, table_rows, lens, 0.125)
-    outs = [cpu.decode_attention(q, k_pool, v_pool, table, table_rows, lens, 0.125, isa=i) for i in PATHS]
+    want = ref.decode_attention(q, k_pool, v_pool, table, table_rows, lens, 0.125, window, softcap)
+    outs = [cpu.decode_attention(q, k_pool, v_pool, table, table_rows, lens, 0.125, isa=i, window=window,
+                                 softcap=softcap) for i in PATHS]
     for got in outs:
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
     # batch invariance: each row alone gives its row of the batch, bit for bit
     for r in range(rows):
         alone = cpu.decode_attention(q[r : r + 1].clone(), k_pool, v_pool, table, table_rows[r : r + 1],
-                                     lens[r : r + 1], 0.125)
+                                     lens[r : r + 1], 0.125, window=window, softcap=softcap)
         assert torch.equal(alone, outs[-1][r : r + 1])
 
 
@@ -238,13 +242,47 @@ def test_grouped_decode_attention_is_bitwise_each_head_alone(group, d):
     lens = torch.randint(1, 24, (rows,), generator=gen)
     q = qkv[:, : kv_heads * group * d]
     table_rows = torch.arange(rows)
-    batch = cpu.decode_attention(q, k_pool, v_pool, table, table_rows, lens, 0.125, isa=1)
-    want = ref.decode_attention(q, k_pool, v_pool, table, table_rows, lens, 0.125)
+    for window in (0, 7):  # all keys, and a sliding layer's last 7
+        batch = cpu.decode_attention(q, k_pool, v_pool, table, table_rows, lens, 0.125, isa=1, window=window)
+        want = ref.decode_attention(q, k_pool, v_pool, table, table_rows, lens, 0.125, window)
+        assert torch.allclose(batch, want, rtol=1e-5, atol=1e-5), (window, (batch - want).abs().max())
+        for r in range(rows):
+            alone = cpu.decode_attention(q[r : r + 1].clone(), k_pool, v_pool, table, table_rows[r : r + 1],
+                                         lens[r : r + 1], 0.125, isa=1, window=window)
+            assert torch.equal(alone, batch[r : r + 1]), (window, r)
+
+
+@pytest.mark.parametrize("group,d", [(3, 64), (2, 40), (5, 16)])
+def test_rows_on_one_prompt_read_it_once_and_get_each_rows_bits(group, d):
+    """Rows whose keys begin with the same 100 slots (requests on one cached prompt) are attended
+    in sets that read those keys once; each row's output is bitwise its output alone, and near the
+    torch reference. Beside them: rows of another prompt, a row that shares only 40 keys (too few
+    for a set), rows alone; lengths ragged around the shared part's blocks."""
+    if cpu.best_isa() < 1:
+        pytest.skip("the grouped kernel is the AVX2 path's; this CPU has no AVX2")
+    gen = torch.Generator().manual_seed(11)
+    kv_heads, width, slots = 3, 190, 6000
+    qkv, k_pool, v_pool = _step(gen, 26, kv_heads * group, kv_heads, d, slots=slots)
+    free = torch.randperm(slots, generator=gen)
+    prompts = [free[:100], free[100:180]]  # two cached prompts, 100 and 80 keys
+    table = free[180 : 180 + 26 * width].view(26, width).clone()
+    for r in range(12):
+        table[r, :100] = prompts[0]
+    for r in range(12, 20):
+        table[r, :80] = prompts[1]
+    table[20, :40] = prompts[0][:40]
+    lens = torch.cat([torch.randint(100, width + 1, (12,), generator=gen), torch.randint(80, width + 1, (8,), generator=gen),
+                      torch.randint(41, width + 1, (6,), generator=gen)])
+    lens[0], lens[12] = 100, 80  # a row that is all prompt
+    rows = torch.randperm(26, generator=gen)  # the sets' rows apart in the batch
+    q = qkv[:, : kv_heads * group * d]
+    batch = cpu.decode_attention(q, k_pool, v_pool, table, rows, lens[rows], 0.125, isa=1)
+    want = ref.decode_attention(q, k_pool, v_pool, table, rows, lens[rows], 0.125)
     assert torch.allclose(batch, want, rtol=1e-5, atol=1e-5), (batch - want).abs().max()
-    for r in range(rows):
-        alone = cpu.decode_attention(q[r : r + 1].clone(), k_pool, v_pool, table, table_rows[r : r + 1], lens[r : r + 1],
+    for i in range(26):
+        alone = cpu.decode_attention(q[i : i + 1].clone(), k_pool, v_pool, table, rows[i : i + 1], lens[rows][i : i + 1],
                                      0.125, isa=1)
-        assert torch.equal(alone, batch[r : r + 1]), r
+        assert torch.equal(alone, batch[i : i + 1]), i
 
 
 def _random_decoder(seed: int, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, d: int = 16,
@@ -273,14 +311,15 @@ def _random_decoder(seed: int, layers: int = 2, hidden: int = 64, heads: int = 4
     return weights, pools, cos2, sin2, (heads, kv_heads, d)
 
 
-def _decoder(weights, pools, cos2, sin2, dims):
+def _decoder(weights, pools, cos2, sin2, dims, window=0):
     """torch.classes.radixlm.Decoder over `weights` (tiled matrices as their tiles and formats)."""
     tensors = [w.tiles if isinstance(w, cpu.Tiled) else w for w in weights]
     formats = [f for w in weights if isinstance(w, cpu.Tiled) for f in w.format]
-    return torch.classes.radixlm.Decoder(tensors, formats, pools[0], pools[1], cos2, sin2, *dims, 1e-5, dims[2] ** -0.5)
+    return torch.classes.radixlm.Decoder(tensors, formats, pools[0], pools[1], cos2, sin2, *dims, 1e-5, dims[2] ** -0.5,
+                                         window)
 
 
-def _decoder_by_ops(weights, pools, cos2, sin2, dims, h, positions, out_slots, table, rows, lens, isa):
+def _decoder_by_ops(weights, pools, cos2, sin2, dims, h, positions, out_slots, table, rows, lens, isa, window=0):
     """The decoder's step composed of the library's ops, in the model's order (layers.py, llama.py)."""
     heads, kv_heads, d = dims
     eps, scale = 1e-5, d ** -0.5
@@ -297,7 +336,8 @@ def _decoder_by_ops(weights, pools, cos2, sin2, dims, h, positions, out_slots, t
             x = cpu.rms_norm(y, w[0], eps, residual, isa=isa)
         qkv = linear(x, w[1], w[2])
         cpu.rope_store(qkv, positions, cos2, sin2, pools[0][layer], pools[1][layer], out_slots, heads, kv_heads, isa=isa)
-        attn = cpu.decode_attention(qkv[:, : heads * d], pools[0][layer], pools[1][layer], table, rows, lens, scale, isa=isa)
+        attn = cpu.decode_attention(qkv[:, : heads * d], pools[0][layer], pools[1][layer], table, rows, lens, scale, isa=isa,
+                                    window=window)
         y = linear(attn, w[3])
         x = cpu.rms_norm(y, w[4], eps, residual, isa=isa)
         y = linear(cpu.silu_mul(linear(x, w[5]), isa=isa), w[6])
@@ -305,10 +345,11 @@ def _decoder_by_ops(weights, pools, cos2, sin2, dims, h, positions, out_slots, t
 
 
 @pytest.mark.parametrize("isa", PATHS)
-@pytest.mark.parametrize("rows", [1, 3])
-def test_the_decoder_is_its_ops_in_order(isa, rows):
+@pytest.mark.parametrize("rows,window", [(1, 0), (3, 0), (3, 6)])
+def test_the_decoder_is_its_ops_in_order(isa, rows, window):
     """torch.classes.radixlm.Decoder (one call for a decode step's layers) against the same step
-    composed of the ops, each tested above: the output and the pools it writes, bit for bit."""
+    composed of the ops, each tested above: the output and the pools it writes, bit for bit (and
+    with a window for every layer, as a Mistral has)."""
     cpu.load()
     weights, pools, cos2, sin2, dims = _random_decoder(rows)
     table = torch.randperm(64).view(4, 16)
@@ -318,9 +359,9 @@ def test_the_decoder_is_its_ops_in_order(isa, rows):
     out_slots = table[req_rows, positions]
     h = torch.randn(rows, 64)
     mine = [[p.clone() for p in pools[0]], [p.clone() for p in pools[1]]]
-    decoder = _decoder(weights, mine, cos2, sin2, dims)
+    decoder = _decoder(weights, mine, cos2, sin2, dims, window)
     got = decoder.forward(h, positions, out_slots, table, req_rows, lens, isa)
-    want = _decoder_by_ops(weights, pools, cos2, sin2, dims, h, positions, out_slots, table, req_rows, lens, isa)
+    want = _decoder_by_ops(weights, pools, cos2, sin2, dims, h, positions, out_slots, table, req_rows, lens, isa, window)
     assert torch.equal(got, want)
     for a, b in zip(mine[0] + mine[1], pools[0] + pools[1]):
         assert torch.equal(a, b)

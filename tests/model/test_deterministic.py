@@ -132,10 +132,10 @@ def test_smollm2_deterministic_is_batch_invariant_and_matches_transformers(smol)
     assert_drained(chunked)
 
 
-@pytest.mark.parametrize("tiny", ["qwen2", "qwen3", "granite", "olmo2", "smollm3"], indirect=True)
+@pytest.mark.parametrize("tiny", ["qwen2", "qwen3", "granite", "olmo2", "smollm3", "gemma2", "gemma3"], indirect=True)
 def test_every_family_batched_and_chunked_is_bitwise_alone(tiny):
     """Each family's variations (biases, q/k norms, post-norms, multipliers, layers without
-    rotary) keep the guarantee: one batch with 16-token chunks, against each request alone. (The
+    rotary, sliding windows, soft caps) keep the guarantee: one batch with 16-token chunks, against each request alone. (The
     Llama layer, which Mistral's is, has the tests above.)"""
     prompts = _prompts(tiny)
     engine = tiny.engine(deterministic=True)

@@ -13,17 +13,27 @@ from helpers import assert_drained
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0}
 
 
-@pytest.mark.parametrize("overlap", ["off", "on"])
-def test_tiny_models_match_hf(tiny, overlap):
-    engine = tiny.engine(overlap_schedule=overlap)
-    results = engine.generate(input_ids=tiny.prompts, sampling_params=GREEDY, return_logprob=overlap == "off",
-                              logprob_start_len=0)
+def test_tiny_models_match_hf(tiny):
+    engine = tiny.engine(overlap_schedule="off")
+    results = engine.generate(input_ids=tiny.prompts, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0)
     for i, (res, ref) in enumerate(zip(results, tiny.refs)):
         assert_matches(res["output_ids"], ref, f"{tiny.kind} prompt {i}")
-    assert (engine.scheduler.overlapped_steps > 0) == (overlap == "on")
-    if overlap == "off":
-        _assert_logprobs_are_hfs(tiny, results)
+    assert engine.scheduler.overlapped_steps == 0
+    _assert_logprobs_are_hfs(tiny, results)
     assert_drained(engine)
+
+
+# Overlap scheduling is the scheduler's, the same whatever the layers: three families whose steps
+# differ (plain Llama layers, q/k norms, sliding windows beside global layers)
+@pytest.mark.parametrize("tiny", ["llama", "qwen3", "gemma3"], indirect=True)
+def test_tiny_models_match_hf_overlapped(tiny):
+    for prompts, refs, pages in ((tiny.prompts, tiny.refs, 0), (tiny.shared_prompts, tiny.shared_refs, 16)):
+        engine = tiny.engine(overlap_schedule="on", page_size=pages)
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        for i, (res, ref) in enumerate(zip(results, refs)):
+            assert_matches(res["output_ids"], ref, f"{tiny.kind} prompt {i}, overlapped, page size {pages}")
+        assert engine.scheduler.overlapped_steps > 0
+        assert_drained(engine)
 
 
 def _assert_logprobs_are_hfs(tiny, results) -> None:
@@ -37,9 +47,8 @@ def _assert_logprobs_are_hfs(tiny, results) -> None:
         assert torch.allclose(torch.tensor(got), want, atol=LOGPROB_TOL, rtol=0), (tiny.kind, got, want)
 
 
-@pytest.mark.parametrize("overlap", ["off", "on"])
-def test_tiny_models_match_hf_on_a_shared_prefix_batch(tiny, overlap):
-    engine = tiny.engine(page_size=16, overlap_schedule=overlap)
+def test_tiny_models_match_hf_on_a_shared_prefix_batch(tiny):
+    engine = tiny.engine(page_size=16, overlap_schedule="off")
     results = engine.generate(input_ids=tiny.shared_prompts, sampling_params=GREEDY)
     assert sum(r["meta_info"]["cached_tokens"] for r in results) >= 7 * 64
     for i, (res, ref) in enumerate(zip(results, tiny.shared_refs)):
@@ -93,3 +102,31 @@ def test_tiny_models_from_gguf_match_hf(tiny, tmp_path):
         assert_drained(engine)
     finally:
         engine.shutdown()
+
+
+def test_phi3_long_rope_past_its_original_context(tmp_path):
+    """A Phi-3 whose context (1,024) passes its original one (64) is served on LongRoPE's long
+    factors, its tables scaled by the attention factor, as HF takes them for a sequence longer
+    than the original context: a 160-token sequence's prompt logprobs are HF's, from the HF
+    directory and from the GGUF file (its rope_factors_long / _short tensors and keys)."""
+    import transformers
+
+    from conftest import make_tiny_checkpoint
+    from gguf_files import write_gguf
+    from oracle import random_prompts
+
+    path = str(tmp_path / "phi3")
+    make_tiny_checkpoint("phi3", path, original_max_position_embeddings=64)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    sequence = random_prompts(hf.config.vocab_size, 1, seed=3, min_len=160, max_len=160)[0]
+    want = hf_logprobs(hf, sequence)[:-1].gather(1, torch.tensor(sequence[1:])[:, None]).squeeze(1)
+    for source in (path, write_gguf(path, str(tmp_path / "phi3.gguf"))):
+        engine = LocalEngine(source, skip_tokenizer_init=True, max_total_tokens=4096, quantization="none")
+        try:
+            out = engine.generate(input_ids=sequence, sampling_params={"max_new_tokens": 1, "temperature": 0},
+                                  return_logprob=True, logprob_start_len=0)
+            got = torch.tensor([lp for lp, *_ in out["meta_info"]["input_token_logprobs"][1:]])
+            assert torch.allclose(got, want, atol=LOGPROB_TOL, rtol=0), (source, (got - want).abs().max())
+            assert_drained(engine)
+        finally:
+            engine.shutdown()

@@ -112,15 +112,16 @@ def test_the_native_decoder_is_the_ops_bit_for_bit(served):
             assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "granite", "olmo2", "smollm3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "granite", "olmo2", "smollm3", "mistral"])
 def test_the_native_decoder_runs_tiny_families(kind, tmp_path):
-    """Tied and untied tables, llama3 rotary scaling, Qwen2's qkv bias: int8 codes through the decoder
-    equal the same codes op by op. Qwen3's q/k norms, Granite's multipliers, OLMo 2's post-norms and
-    SmolLM3's layers without rotary are not the decoder's: their steps run op by op."""
+    """Tied and untied tables, llama3 rotary scaling, Qwen2's qkv bias, a Mistral's window (every
+    layer's, 12 keys, far shorter than the prompts): int8 codes through the decoder equal the same
+    codes op by op. Qwen3's q/k norms, Granite's multipliers, OLMo 2's post-norms and SmolLM3's
+    layers without rotary are not the decoder's: their steps run op by op."""
     from conftest import make_tiny_checkpoint
     from oracle import random_prompts
 
-    make_tiny_checkpoint(kind, str(tmp_path))
+    make_tiny_checkpoint(kind, str(tmp_path), **({"sliding_window": 12} if kind == "mistral" else {}))
     if kind == "qwen2":  # HF starts biases at zero: give them values, so that a bias left out shows
         import torch
         import transformers
@@ -136,6 +137,8 @@ def test_the_native_decoder_runs_tiny_families(kind, tmp_path):
         if kind in ("qwen3", "granite", "olmo2", "smollm3"):
             assert engine.worker.native_decoder is None and not engine.worker.config.plain
             return
+        if kind == "mistral":
+            assert engine.worker.config.window(0) == 12 and engine.worker.native_decoder is not None
         fused, ops = _greedy_with_and_without_the_decoder(engine, random_prompts(512, 5, seed=3), 16)
         for a, b in zip(fused, ops):
             assert a["output_ids"] == b["output_ids"]

@@ -71,7 +71,39 @@ def test_config_from_hf_reads_family_flags():
         ModelConfig.from_hf(_hf_config(architectures=["SmolLM3ForCausalLM"], no_rope_layers=[1, 0, 1]))
     mistral = ModelConfig.from_hf(_hf_config(architectures=["MistralForCausalLM"], sliding_window=64,
                                              max_position_embeddings=4096))
-    assert mistral.context_length == 64  # no sliding-window kernel: cap the context instead
+    # every layer slides: the whole context is served, each layer over its window
+    assert (mistral.context_length, mistral.window(0), mistral.window(1), mistral.sliding_layers) == (4096, 64, 64, None)
+    assert mistral.plain  # one window for all: the native decoder runs it
+    qwen2 = ModelConfig.from_hf(_hf_config(architectures=["Qwen2ForCausalLM"], sliding_window=64, use_sliding_window=True,
+                                           max_window_layers=1))
+    assert qwen2.sliding_layers == [False, True] and not qwen2.plain  # HF's rule: layers from max_window_layers on
+    assert ModelConfig.from_hf(_hf_config(architectures=["Qwen2ForCausalLM"], sliding_window=64)).window(1) is None
+
+
+def test_config_from_hf_reads_gemma():
+    gemma2 = ModelConfig.from_hf(_hf_config(architectures=["Gemma2ForCausalLM"], num_hidden_layers=4, head_dim=32,
+                                            query_pre_attn_scalar=144, sliding_window=16, attn_logit_softcapping=50.0,
+                                            final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh"))
+    assert [gemma2.window(i) for i in range(4)] == [16, None, 16, None]  # from its fixed pattern: no layer_types
+    assert (gemma2.attn_softcap, gemma2.final_softcap, gemma2.hidden_act, gemma2.norm_weight_offset) == (50.0, 30.0,
+                                                                                                     "gelu_tanh", 1.0)
+    assert gemma2.attention_multiplier == 144 ** -0.5 and gemma2.embedding_multiplier == 8.0  # sqrt(hidden 64)
+    assert gemma2.sandwich_norm and gemma2.tie_word_embeddings and gemma2.local_rope_theta is None and not gemma2.plain
+    # Gemma 3 as transformers 4 wrote it: its local base apart, the pattern as a number
+    gemma3 = ModelConfig.from_hf(_hf_config(architectures=["Gemma3ForCausalLM"], num_hidden_layers=7, sliding_window=32,
+                                            rope_theta=1e6, rope_local_base_freq=5000.0, sliding_window_pattern=3,
+                                            rope_scaling={"rope_type": "linear", "factor": 8.0}))
+    assert [gemma3.window(i) for i in range(7)] == [32, 32, None, 32, 32, None, 32]
+    assert (gemma3.rope_theta, gemma3.local_rope_theta, gemma3.rope_scaling["factor"]) == (1e6, 5000.0, 8.0)
+    assert gemma3.qk_norm == "head" and gemma3.attn_softcap is None
+    # ... and as transformers 5 writes it: per layer type
+    gemma3 = ModelConfig.from_hf(_hf_config(architectures=["Gemma3ForCausalLM"], sliding_window=32,
+                                            layer_types=["full_attention", "sliding_attention"], rope_parameters={
+                                                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                "full_attention": {"rope_type": "default", "rope_theta": 1e6}}))
+    assert [gemma3.window(i) for i in range(2)] == [None, 32] and (gemma3.rope_theta, gemma3.local_rope_theta) == (1e6, 1e4)
+    with pytest.raises(UnsupportedModelError, match="activation 'relu'"):
+        ModelConfig.from_hf(_hf_config(hidden_act="relu"))
 
 
 def test_rope_parameters_of_transformers_v5_are_read():

@@ -38,6 +38,10 @@ void decode_head_portable(const float* q, int64_t head_dim, const KVLayer& kv, i
 void decode_head_avx2(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,
                       int64_t len, float scale, float* scores, float* out);
 
+// decode_head_portable with each score s capped to softcap * tanh(s / softcap) before the softmax.
+void decode_head_capped(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,
+                        int64_t len, float scale, float softcap, float* scores, float* out);
+
 // The same for `heads` query heads that share KV head `kv_head` (query g at q + g * head_dim, its
 // output at out + g * head_dim, its scores at scores + g * len), each key and value read once for
 // all of them; bitwise decode_head_avx2 on each head. Only where decode_group_takes says so.
@@ -46,5 +50,20 @@ inline bool decode_group_takes(int64_t heads, int64_t head_dim) {
 }
 void decode_group_avx2(const float* q, int64_t heads, int64_t head_dim, const KVLayer& kv, int64_t kv_head,
                        const int64_t* slots, int64_t len, float scale, float* scores, float* out);
+
+// Decode rows whose first `shared` keys are the same slots (requests on one cached prompt): row r's
+// query heads of one KV head at q[r], its keys at slots[r][0..lens[r]), its output at out[r].
+struct SharedRows {
+  const float* const* q;
+  const int64_t* const* slots;
+  const int64_t* lens;
+  float* const* out;
+  int64_t n, shared;
+};
+// decode_group_avx2 on each row of `set`, the shared keys and values read once for all of them a
+// block at a time (not once per row): bitwise each row's decode_group_avx2. scratch: room for
+// heads x (sum of lens + n x head_dim) floats.
+void decode_shared_avx2(const SharedRows& set, int64_t heads, int64_t head_dim, const KVLayer& kv, int64_t kv_head,
+                        float scale, float* scratch);
 
 }  // namespace radixlm

@@ -37,18 +37,13 @@ void rope_store_portable(const TokenLayout& x, const int64_t* positions, const f
   }
 }
 
-void decode_head_portable(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,
-                          int64_t len, float scale, float* scores, float* out) {
-  const float* keys = kv.k + kv_head * kv.slots * head_dim;
+namespace {
+
+// The softmax-weighted values of one query head, scores[0..len) (each key's, already scaled and
+// capped) and their maximum `top` given.
+void weigh_values(int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots, int64_t len,
+                  float top, float* scores, float* out) {
   const float* values = kv.v + kv_head * kv.slots * head_dim;
-  float top = -INFINITY;
-  for (int64_t j = 0; j < len; ++j) {
-    const float* key = keys + slots[j] * head_dim;
-    float dot = 0.0f;
-    for (int64_t i = 0; i < head_dim; ++i) dot = std::fma(q[i], key[i], dot);
-    scores[j] = dot * scale;
-    top = max_score(top, scores[j]);
-  }
   float total = 0.0f;
   for (int64_t j = 0; j < len; ++j) {
     scores[j] = std::exp(scores[j] - top);
@@ -61,6 +56,36 @@ void decode_head_portable(const float* q, int64_t head_dim, const KVLayer& kv, i
   }
   const float inv = 1.0f / total;
   for (int64_t i = 0; i < head_dim; ++i) out[i] *= inv;
+}
+
+float dot(const float* q, const float* key, int64_t head_dim) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < head_dim; ++i) sum = std::fma(q[i], key[i], sum);
+  return sum;
+}
+
+}  // namespace
+
+void decode_head_capped(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,
+                        int64_t len, float scale, float softcap, float* scores, float* out) {
+  const float* keys = kv.k + kv_head * kv.slots * head_dim;
+  float top = -INFINITY;
+  for (int64_t j = 0; j < len; ++j) {
+    scores[j] = softcap * std::tanh(dot(q, keys + slots[j] * head_dim, head_dim) * scale / softcap);
+    top = max_score(top, scores[j]);
+  }
+  weigh_values(head_dim, kv, kv_head, slots, len, top, scores, out);
+}
+
+void decode_head_portable(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,
+                          int64_t len, float scale, float* scores, float* out) {
+  const float* keys = kv.k + kv_head * kv.slots * head_dim;
+  float top = -INFINITY;
+  for (int64_t j = 0; j < len; ++j) {
+    scores[j] = dot(q, keys + slots[j] * head_dim, head_dim) * scale;
+    top = max_score(top, scores[j]);
+  }
+  weigh_values(head_dim, kv, kv_head, slots, len, top, scores, out);
 }
 
 }  // namespace radixlm

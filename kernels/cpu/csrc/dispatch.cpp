@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <numeric>
 #include <vector>
 
 #include "elementwise.h"
@@ -82,34 +83,124 @@ void rope_store_tokens(const TokenLayout& x, int64_t tokens, const int64_t* posi
                    [&](int64_t t0, int64_t t1) { run(x, positions, cos2, sin2, kv, out_slots, t0, t1); });
 }
 
+namespace {
+
+// The fewest keys rows must share to be attended as a set (below, one block of keys: nothing saved).
+constexpr int64_t kMinShared = 64;
+
+struct RowSet {
+  std::vector<int64_t> rows;
+  int64_t shared;  // the keys (slots) every row of the set begins with; 0 for a row alone
+};
+
+// Decode rows grouped by the keys they share: rows whose first kMinShared keys are the same slots
+// (the radix cache gives the requests on one prompt the same pages) in sets of at most `most`,
+// each set's shared keys those all its rows begin with; every other row a set of its own. (A
+// sliding layer's rows each start at their own key: every row alone.)
+std::vector<RowSet> row_sets(const DecodeRows& rows, int64_t most) {
+  auto slots = [&](int64_t r) { return rows.table + rows.rows[r] * rows.table_cols; };
+  std::vector<RowSet> sets;
+  std::vector<int64_t> order(rows.n);
+  std::iota(order.begin(), order.end(), 0);
+  if (rows.window > 0) {
+    for (int64_t r : order) sets.push_back({{r}, 0});
+    return sets;
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return slots(a)[0] < slots(b)[0]; });
+  for (int64_t i = 0; i < rows.n;) {
+    const int64_t lead = order[i];
+    std::vector<int64_t> with{lead}, alone;
+    int64_t shared = rows.seq_lens[lead], j = i + 1;
+    for (; j < rows.n && slots(order[j])[0] == slots(lead)[0]; ++j) {
+      const int64_t r = order[j], limit = std::min(rows.seq_lens[lead], rows.seq_lens[r]);
+      int64_t common = 0;
+      while (common < limit && slots(r)[common] == slots(lead)[common]) ++common;
+      if (common >= kMinShared) {
+        with.push_back(r);
+        shared = std::min(shared, common);
+      } else {
+        alone.push_back(r);
+      }
+    }
+    if (with.size() == 1) alone.push_back(lead);
+    for (size_t k = 0; with.size() > 1 && k < with.size(); k += most)
+      sets.push_back({{with.begin() + k, with.begin() + std::min(with.size(), k + size_t(most))}, shared});
+    for (int64_t r : alone) sets.push_back({{r}, 0});
+    i = j;
+  }
+  return sets;
+}
+
+}  // namespace
+
 void decode_attention_into(const float* q, int64_t q_stride, int64_t heads, int64_t head_dim, const KVLayer& kv,
                            int64_t kv_heads, const DecodeRows& rows, float scale, float* out, Isa isa) {
   auto run = isa >= Isa::avx2 ? decode_head_avx2 : decode_head_portable;
   const int64_t group = heads / kv_heads;
-  // With enough rows, one task per (row, KV head): the group's query heads read each key and
-  // value once (GQA: SmolLM2's 3 heads a KV head read the pool a third as often). With few, one
-  // task per (row, query head), so the threads share the work evenly (a lone decode row's 9 heads
-  // split 5:4 over two threads, its 3 KV heads 2:1). Both give each head bitwise the same output.
-  if (isa >= Isa::avx2 && group > 1 && decode_group_takes(group, head_dim) &&
-      rows.n * kv_heads >= 2 * at::get_num_threads()) {
-    at::parallel_for(0, rows.n * kv_heads, 1, [&](int64_t a, int64_t b) {
-      std::vector<float> scores(group * rows.longest);
+  // row r's keys: the last `window` where a sliding layer has one
+  auto first_key = [&](int64_t r) { return rows.window > 0 ? std::max<int64_t>(0, rows.seq_lens[r] - rows.window) : 0; };
+  const int64_t longest = rows.window > 0 ? std::min(rows.longest, rows.window) : rows.longest;
+  if (rows.softcap > 0) {  // soft-capped scores (Gemma 2): the portable kernel, one task per (row, query head)
+    at::parallel_for(0, rows.n * heads, 1, [&](int64_t a, int64_t b) {
+      std::vector<float> scores(longest);
       for (int64_t task = a; task < b; ++task) {
-        const int64_t r = task / kv_heads, h = task % kv_heads, first = h * group;
-        decode_group_avx2(q + r * q_stride + first * head_dim, group, head_dim, kv, h,
-                          rows.table + rows.rows[r] * rows.table_cols, rows.seq_lens[r], scale, scores.data(),
-                          out + (r * heads + first) * head_dim);
+        const int64_t r = task / heads, h = task % heads, start = first_key(r);
+        decode_head_capped(q + r * q_stride + h * head_dim, head_dim, kv, h / group,
+                           rows.table + rows.rows[r] * rows.table_cols + start, rows.seq_lens[r] - start, scale,
+                           rows.softcap, scores.data(), out + (r * heads + h) * head_dim);
+      }
+    });
+    return;
+  }
+  // With enough rows, one task per (row, KV head): the group's query heads read each key and
+  // value once (GQA: SmolLM2's 3 heads a KV head read the pool a third as often); rows on one
+  // cached prompt go in sets whose task reads the prompt's keys once for all its rows (16 rows
+  // under a 1k-token system prompt read it twice, not 16 times). With few rows, one task per
+  // (row, query head), so the threads share the work evenly (a lone decode row's 9 heads split
+  // 5:4 over two threads, its 3 KV heads 2:1). Every way gives each head bitwise the same output.
+  const int64_t threads = at::get_num_threads();
+  if (isa >= Isa::avx2 && group > 1 && decode_group_takes(group, head_dim) && rows.n * kv_heads >= 2 * threads) {
+    const std::vector<RowSet> sets = row_sets(rows, std::clamp<int64_t>(rows.n * kv_heads / (2 * threads), 2, 8));
+    at::parallel_for(0, int64_t(sets.size()) * kv_heads, 1, [&](int64_t a, int64_t b) {
+      std::vector<float> scratch;
+      std::vector<const float*> qs;
+      std::vector<const int64_t*> keys;
+      std::vector<int64_t> lens;
+      std::vector<float*> outs;
+      for (int64_t task = a; task < b; ++task) {
+        const RowSet& set = sets[task / kv_heads];
+        const int64_t h = task % kv_heads, first = h * group;
+        if (set.rows.size() == 1) {
+          const int64_t r = set.rows[0], start = first_key(r);
+          scratch.resize(group * longest);
+          decode_group_avx2(q + r * q_stride + first * head_dim, group, head_dim, kv, h,
+                            rows.table + rows.rows[r] * rows.table_cols + start, rows.seq_lens[r] - start, scale,
+                            scratch.data(), out + (r * heads + first) * head_dim);
+          continue;
+        }
+        qs.clear(), keys.clear(), lens.clear(), outs.clear();
+        int64_t total = 0;
+        for (int64_t r : set.rows) {
+          qs.push_back(q + r * q_stride + first * head_dim);
+          keys.push_back(rows.table + rows.rows[r] * rows.table_cols);
+          lens.push_back(rows.seq_lens[r]);
+          outs.push_back(out + (r * heads + first) * head_dim);
+          total += rows.seq_lens[r];
+        }
+        scratch.resize(group * (total + int64_t(set.rows.size()) * head_dim));
+        const SharedRows shared{qs.data(), keys.data(), lens.data(), outs.data(), int64_t(set.rows.size()), set.shared};
+        decode_shared_avx2(shared, group, head_dim, kv, h, scale, scratch.data());
       }
     });
     return;
   }
   // one task per (row, query head), its keys in key order
   at::parallel_for(0, rows.n * heads, 1, [&](int64_t a, int64_t b) {
-    std::vector<float> scores(rows.longest);
+    std::vector<float> scores(longest);
     for (int64_t task = a; task < b; ++task) {
-      const int64_t r = task / heads, h = task % heads;
-      run(q + r * q_stride + h * head_dim, head_dim, kv, h / group, rows.table + rows.rows[r] * rows.table_cols,
-          rows.seq_lens[r], scale, scores.data(), out + (r * heads + h) * head_dim);
+      const int64_t r = task / heads, h = task % heads, start = first_key(r);
+      run(q + r * q_stride + h * head_dim, head_dim, kv, h / group, rows.table + rows.rows[r] * rows.table_cols + start,
+          rows.seq_lens[r] - start, scale, scores.data(), out + (r * heads + h) * head_dim);
     }
   });
 }

@@ -36,13 +36,17 @@ void rope_store_tokens(const TokenLayout& x, int64_t tokens, const int64_t* posi
                        const float* sin2, const KVLayer& kv, const int64_t* out_slots, Isa isa);
 
 // Attention of n decode rows: row r's query heads at q + r * q_stride, its keys at
-// table[rows[r] * table_cols + j] for j < seq_lens[r]; out [n, heads * head_dim].
+// table[rows[r] * table_cols + j] for j < seq_lens[r] (the last `window` of them where window > 0:
+// a sliding layer's); out [n, heads * head_dim]. softcap > 0: each score s becomes
+// softcap * tanh(s / softcap) before the softmax (Gemma 2).
 struct DecodeRows {
   const int64_t* table;
   int64_t table_cols;
   const int64_t* rows;
   const int64_t* seq_lens;
   int64_t n, longest;
+  int64_t window = 0;
+  float softcap = 0.0f;
 };
 void decode_attention_into(const float* q, int64_t q_stride, int64_t heads, int64_t head_dim, const KVLayer& kv,
                            int64_t kv_heads, const DecodeRows& rows, float scale, float* out, Isa isa);

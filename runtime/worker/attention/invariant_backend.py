@@ -6,7 +6,8 @@ Every new token, prefill or decode alike, is one query over its own keys 0..posi
 the pool in blocks of KEY_BLOCK keys. The arithmetic has one shape whatever the batch: each
 (query, KV head, block) is a [group, d] x [d, KEY_BLOCK] product; the softmax's max is exact;
 the block sums are accumulated in block order by `cumsum`, so the all-masked blocks that pad a
-short context to its slice's longest add exact zeros. Costlier than the default backend (keys
+short context to its slice's longest add exact zeros (as do the blocks a sliding layer's window
+has left behind: its mask also hides keys a window or more behind the query). Costlier than the default backend (keys
 are gathered per query, not per request; no shared-prefix pass); `benchmarks/step_cost.py`
 prints what it costs.
 """
@@ -31,6 +32,7 @@ class InvariantMeta(NamedTuple):
     slots: torch.Tensor  # [T, blocks * KEY_BLOCK] each token's key slots (padding: its first key, masked)
     visible: torch.Tensor  # [T, blocks * KEY_BLOCK] True for keys 0..the token's position
     blocks: list[int]  # per query slice, the blocks its longest context needs
+    positions: torch.Tensor  # [T] each token's position
 
 
 class InvariantAttention(AttentionBackend):
@@ -45,12 +47,18 @@ class InvariantAttention(AttentionBackend):
         slots = torch.where(visible, slots, slots[:, :1])
         longest = positions.tolist()
         blocks = [max(longest[i : i + QUERY_SLICE]) // KEY_BLOCK + 1 for i in range(0, len(longest), QUERY_SLICE)]
-        fb.attn_meta = InvariantMeta(slots, visible, blocks)
+        fb.attn_meta = InvariantMeta(slots, visible, blocks, positions)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
-                fb: ForwardBatch) -> torch.Tensor:
+                fb: ForwardBatch, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         fb.kv_pool.store(layer, fb.out_slots, k, v)
         meta: InvariantMeta = fb.attn_meta
+        if window is not None:  # a sliding layer: the same keys, those a window behind hidden too
+            if window not in fb.window_meta:
+                key_pos = torch.arange(meta.visible.shape[1], device=meta.positions.device)
+                recent = key_pos[None, :] > meta.positions[:, None] - window
+                fb.window_meta[window] = meta._replace(visible=meta.visible & recent)
+            meta = fb.window_meta[window]
         k_pool, v_pool = fb.kv_pool.k[layer], fb.kv_pool.v[layer]
         tokens, heads, dim = q.shape
         kv_heads = k_pool.shape[1]
@@ -67,6 +75,8 @@ class InvariantAttention(AttentionBackend):
             values = gather(v_pool, slots).float().view(n, blocks, KEY_BLOCK, kv_heads, dim).permute(0, 3, 1, 2, 4)
             queries = qg[part].expand(n, kv_heads, blocks, group, dim).contiguous().view(-1, group, dim)
             scores = torch.bmm(queries, keys.contiguous().view(-1, dim, KEY_BLOCK)).view(n, kv_heads, blocks, group, KEY_BLOCK)
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
             scores = scores.masked_fill_(~visible.view(n, 1, blocks, 1, KEY_BLOCK), float("-inf"))
             top = scores.amax(dim=(2, 4), keepdim=True)  # exact: the same whatever the padding
             p = torch.exp(scores - top)

@@ -19,6 +19,12 @@ SmolLM2's attention from 80 to 40 us a layer.
 
 Extend rows go to torch's scaled_dot_product_attention with a causal mask, in length buckets
 chosen the same way, each padded to its own longest query and context.
+
+Sliding layers (Gemma, Mistral) get their own plan, built at the first such layer of a step and
+kept in fb.window_meta: a decode row's keys start `window` before its end (no shared-prefix pass:
+a prefix leaves every long row's window), an extend row's mask also hides keys a window or more
+behind each query. Soft-capped scores (Gemma 2) take the same steps in plain ops, as torch's
+fused attention has no cap.
 """
 
 from __future__ import annotations
@@ -80,23 +86,49 @@ class TorchAttention(AttentionBackend):
         extend = prepare_extend(table, fb, d, heads) if d < fb.batch_size else []
         fb.attn_meta = TorchAttnMeta(d, decode, shared, extend)
 
+    def _window_meta(self, fb: ForwardBatch, window: int) -> TorchAttnMeta:
+        if window not in fb.window_meta:
+            table, d = fb.req_to_token.table, fb.num_decode
+            heads = fb.kv_pool.k_heads[0].shape[0], fb.kv_pool.num_slots
+            decode = _prepare_decode(table, fb.req_rows[:d], fb.seq_lens[:d], heads, window)[0] if d else []
+            extend = prepare_extend(table, fb, d, heads, window) if d < fb.batch_size else []
+            fb.window_meta[window] = TorchAttnMeta(d, decode, [], extend)
+        return fb.window_meta[window]
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
-                fb: ForwardBatch) -> torch.Tensor:
+                fb: ForwardBatch, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         fb.kv_pool.store(layer, fb.out_slots, k, v)
-        meta: TorchAttnMeta = fb.attn_meta
+        meta: TorchAttnMeta = fb.attn_meta if window is None else self._window_meta(fb, window)
         k_pool, v_pool = fb.kv_pool.k_heads[layer], fb.kv_pool.v_heads[layer]
         d = meta.num_decode
         if not meta.extend:
-            return _decode(q, k_pool, v_pool, scale, meta)
+            return _decode(q, k_pool, v_pool, scale, meta, softcap)
         out = torch.empty_like(q)
         if d:
-            out[:d] = _decode(q[:d], k_pool, v_pool, scale, meta)
-        extend_attention(q, k_pool, v_pool, scale, meta.extend, out)
+            out[:d] = _decode(q[:d], k_pool, v_pool, scale, meta, softcap)
+        extend_attention(q, k_pool, v_pool, scale, meta.extend, out, softcap)
         return out
 
 
+def attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           softcap: float | None = None) -> torch.Tensor:
+    """Attention of [b, heads, Q, d] queries over [b, kv_heads, K, d] keys (mask: True where
+    allowed, broadcast to [b, heads, Q, K]): torch's fused attention, or with soft-capped scores
+    the same steps in plain ops."""
+    gqa = queries.shape[1] != keys.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if gqa:
+        group = queries.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = torch.tanh(torch.matmul(queries, keys.transpose(-1, -2)) * scale / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), values)
+
+
 def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float,
-                     buckets: list[ExtendBucket], out: torch.Tensor) -> None:
+                     buckets: list[ExtendBucket], out: torch.Tensor, softcap: float | None = None) -> None:
     """The extend rows' attention (their K/V already in the pool), into out [T, heads, d]: torch's
     fused attention per length bucket, causal within the new tokens."""
     heads, dim = q.shape[1], q.shape[2]
@@ -107,18 +139,17 @@ def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         padded = q.new_zeros(rows * b.max_query, heads, dim)
         padded[b.query_dest] = q[b.tokens]
         queries = padded.view(rows, b.max_query, heads, dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=b.mask, scale=scale,
-                                           enable_gqa=heads != keys.shape[1])
+        o = attend(queries, keys, values, b.mask, scale, softcap)
         out[b.tokens] = o.transpose(1, 2).reshape(-1, heads, dim)[b.query_dest]
 
 
 def _decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float,
-            meta: TorchAttnMeta) -> torch.Tensor:
+            meta: TorchAttnMeta, softcap: float | None = None) -> torch.Tensor:
     """q [D, heads, d]: each decode row's one query over its whole context. The pools are
     head-major [kv_heads, slots, d]; every product below is a bmm over (KV head, row) pairs
     that reads the gathered keys as they lie."""
     if not meta.shared:
-        return _decode_own(q, k_pool, v_pool, scale, meta.decode)
+        return _decode_own(q, k_pool, v_pool, scale, meta.decode, softcap)
     rows, heads, dim = q.shape
     kv_heads = k_pool.shape[0]
     group = heads // kv_heads
@@ -130,7 +161,7 @@ def _decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: 
         keys = gather_heads(k_pool, b.index, b.kv_slots.shape).float().view(kv_heads * n, width, dim)
         values = gather_heads(v_pool, b.index, b.kv_slots.shape).float().view(kv_heads * n, width, dim)
         queries = qg[:, b.rows].reshape(kv_heads * n, group, dim)
-        scores = torch.bmm(queries, keys.transpose(1, 2)).view(kv_heads, n, group, width)
+        scores = _cap(torch.bmm(queries, keys.transpose(1, 2)), softcap).view(kv_heads, n, group, width)
         if b.mask is not None:
             scores = scores.masked_fill_(~b.mask, float("-inf"))
         o, m, l = _partial_softmax(scores.view(kv_heads * n, group, width), values)
@@ -146,7 +177,7 @@ def _decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: 
             keys = gather_heads(k_pool, s.index, s.slots.shape).float()
             values = gather_heads(v_pool, s.index, s.slots.shape).float()
         queries = qg[:, s.rows].reshape(kv_heads, n * group, dim)
-        o, m, l = _partial_softmax(torch.bmm(queries, keys.transpose(1, 2)), values)  # over [kv_heads, n * g, L]
+        o, m, l = _partial_softmax(_cap(torch.bmm(queries, keys.transpose(1, 2)), softcap), values)  # [kv_heads, n g, L]
         o, m, l = (t.view(kv_heads, n, group, -1) for t in (o, m, l))
         own_lse = lse[:, s.rows]
         top = torch.maximum(own_lse, m)
@@ -155,8 +186,12 @@ def _decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: 
     return out.transpose(0, 1).reshape(rows, heads, dim).to(q.dtype)
 
 
+def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
 def _decode_own(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float,
-                buckets: list[DecodeBucket]) -> torch.Tensor:
+                buckets: list[DecodeBucket], softcap: float | None = None) -> torch.Tensor:
     """Decode rows in no shared group: torch's fused attention per bucket, on keys gathered
     once (or, for a lone row whose slots are consecutive, on a view of the pool: no copy)."""
     rows, heads, dim = q.shape
@@ -171,8 +206,7 @@ def _decode_own(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, sca
             values = gather_heads(v_pool, b.index, b.kv_slots.shape).transpose(0, 1)
         queries = (q if out is None else q[b.rows]).view(n, heads, 1, dim)
         mask = None if b.mask is None else b.mask[:, None]
-        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale,
-                                           enable_gqa=heads != keys.shape[1]).view(n, heads, dim)
+        o = attend(queries, keys, values, mask, scale, softcap).view(n, heads, dim)
         if out is None:
             return o
         out[b.rows] = o
@@ -208,11 +242,15 @@ def gather_heads(pool: torch.Tensor, index: torch.Tensor, shape: torch.Size) -> 
 
 # ---- per-step plans ----------------------------------------------------------------------------
 
-def _prepare_decode(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
-                    heads: tuple[int, int]) -> tuple[list[DecodeBucket], list[SharedPrefix]]:
-    """`heads`: the pool's (KV heads, slots), for the gathers' flat indices."""
-    starts = torch.zeros_like(seq_lens)
-    shared = _shared_prefixes(table, rows, seq_lens, heads) if rows.shape[0] > 1 else []
+def _prepare_decode(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, heads: tuple[int, int],
+                    window: int | None = None) -> tuple[list[DecodeBucket], list[SharedPrefix]]:
+    """`heads`: the pool's (KV heads, slots), for the gathers' flat indices. `window`: each row's
+    keys are its last `window` (a sliding layer's)."""
+    if window is not None:
+        starts, shared = (seq_lens - window).clamp(min=0), []
+    else:
+        starts = torch.zeros_like(seq_lens)
+        shared = _shared_prefixes(table, rows, seq_lens, heads) if rows.shape[0] > 1 else []
     for s in shared:
         starts[s.rows] = s.slots.shape[0]
     own = (seq_lens - starts).tolist()
@@ -259,8 +297,10 @@ def _common_prefix_len(table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.
     return int(differs.to(torch.int8).argmax()) if bool(differs.any()) else limit
 
 
-def prepare_extend(table: torch.Tensor, fb: ForwardBatch, first: int, heads: tuple[int, int]) -> list[ExtendBucket]:
-    """Length buckets over the extend rows (batch positions first..B-1)."""
+def prepare_extend(table: torch.Tensor, fb: ForwardBatch, first: int, heads: tuple[int, int],
+                   window: int | None = None) -> list[ExtendBucket]:
+    """Length buckets over the extend rows (batch positions first..B-1); `window`: a sliding
+    layer's, each query seeing only the keys less than `window` behind it."""
     device = fb.seq_lens.device
     seq_lens = fb.seq_lens[first:].tolist()
     ext = fb.extend_lens[first:]
@@ -273,7 +313,10 @@ def prepare_extend(table: torch.Tensor, fb: ForwardBatch, first: int, heads: tup
         key_pos = torch.arange(kmax, device=device)
         q_idx = torch.arange(qmax, device=device)
         # token j of a row sits at absolute position prefix + j and sees keys 0..prefix + j
-        mask = key_pos[None, None, :] <= (prefix[:, None] + q_idx[None, :])[:, :, None]
+        query_pos = (prefix[:, None] + q_idx[None, :])[:, :, None]
+        mask = key_pos[None, None, :] <= query_pos
+        if window is not None:
+            mask &= key_pos[None, None, :] > query_pos - window
         # padded query rows attend to key 0 only, so softmax never sees an all-masked row
         valid_q = (q_idx[None, :] < lens[:, None])[:, :, None]
         mask = mask & valid_q | (~valid_q & (key_pos == 0)[None, None, :])

@@ -1,8 +1,13 @@
 """The Llama-family decoder: Llama 2/3, SmolLM, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm per
 head), Granite (multipliers on the embeddings, the residual branches, the attention scale and the
 logits), OLMo 2 (norms after each sublayer instead of before, q/k norm over the whole
-projection) and SmolLM3 (some layers without rotary). Each variation is a field of ModelConfig,
-off by default, so a plain Llama runs exactly the ops it always ran.
+projection), SmolLM3 (some layers without rotary) and Gemma 2/3 (norms before and after each
+sublayer that scale by 1 + w, a GELU-gated MLP, scaled embeddings, sliding-window layers beside
+global ones, Gemma 3's own rotary base on its sliding layers, Gemma 2's soft-capped scores and
+logits), and the mixtures of experts built on these layers (Qwen3-MoE, Mixtral: moe.py). Each
+variation is a field of ModelConfig, off by default, so a plain Llama runs exactly the ops it
+always ran. Phi-3/Phi-4 are Llama layers with LongRoPE (layers.RotaryEmbedding), Phi-4's partial
+rotary, and checkpoints that fuse q/k/v and gate/up as these layers do (`_target`).
 
 Attention reads and writes the paged KV pool through the attention backend that
 the ForwardBatch carries, so the model itself is stateless between steps.
@@ -20,12 +25,14 @@ from radixlm.runtime.worker.layers import (
     MergedColumnLinear,
     RMSNorm,
     RotaryEmbedding,
+    GeluTanhMul,
     RowParallelLinear,
     SiluMul,
     VocabParallelEmbedding,
 )
 from radixlm.runtime.model_config import ModelConfig
 from radixlm.runtime.worker.loader import Weight
+from radixlm.runtime.worker.moe import SparseMoE
 from radixlm.runtime.worker.parallel import TPContext
 
 
@@ -43,10 +50,13 @@ class Attention(nn.Module):
         self.head_dim = d = cfg.head_dim
         self.scale = cfg.attention_multiplier if cfg.attention_multiplier is not None else cfg.head_dim**-0.5
         self.use_rope = cfg.rope_layers is None or cfg.rope_layers[layer_id]
+        self.whole_heads = cfg.rotary_dim == cfg.head_dim  # what the fused rotary kernel rotates
+        self.window = cfg.window(layer_id)  # None: a global layer
+        self.softcap = cfg.attn_softcap
         q_size = cfg.num_heads * d
         kv = (self.num_kv_heads * d, first_kv * d)
         self.qkv_proj = MergedColumnLinear(cfg.hidden_size, [*MergedColumnLinear.even(tp, [q_size]), kv, kv],
-                                           cfg.attention_bias)
+                                           cfg.attention_bias, [q_size, cfg.num_kv_heads * d, cfg.num_kv_heads * d])
         self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, tp)
         self.rotary = rotary
         self.qk_norm = cfg.qk_norm
@@ -57,10 +67,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, fb: ForwardBatch) -> torch.Tensor:
         q_len, kv_len = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)
-        if fb.attn_backend.fuses_rotary and self.q_norm is None and self.use_rope:
+        if fb.attn_backend.fuses_rotary and self.q_norm is None and self.use_rope and self.whole_heads:
             # rotary, the K/V store and attention in two calls
             out = fb.attn_backend.forward_qkv(qkv, self.rotary.cos2, self.rotary.sin2, self.num_heads,
-                                              self.num_kv_heads, self.layer_id, self.scale, fb)
+                                              self.num_kv_heads, self.layer_id, self.scale, fb, self.window,
+                                              self.softcap)
             return self.o_proj(out)
         v = qkv[:, q_len + kv_len:].view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is None and self.use_rope:  # q and k side by side: one rotation for both
@@ -75,7 +86,7 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             if self.use_rope:
                 q, k = self.rotary.rotate(q, *rope), self.rotary.rotate(k, *rope)
-        out = fb.attn_backend.forward(q, k, v, self.layer_id, self.scale, fb)
+        out = fb.attn_backend.forward(q, k, v, self.layer_id, self.scale, fb, self.window, self.softcap)
         return self.o_proj(out.reshape(-1, q_len))
 
 
@@ -83,9 +94,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnLinear(cfg.hidden_size, MergedColumnLinear.even(tp, [cfg.intermediate_size] * 2),
-                                               False)
+                                               False, [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
-        self.act = SiluMul()
+        self.act = GeluTanhMul() if cfg.hidden_act == "gelu_tanh" else SiluMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -95,10 +106,16 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPContext) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_id, rotary, tp)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = SparseMoE(cfg, tp) if cfg.sparse(layer_id) else MLP(cfg, tp)
         self.post_norm = cfg.post_norm
+        self.sandwich_norm = cfg.sandwich_norm
         self.residual_multiplier = cfg.residual_multiplier
-        if cfg.post_norm:
+        if cfg.sandwich_norm:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        elif cfg.post_norm:
             self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         else:
@@ -110,6 +127,13 @@ class DecoderLayer(nn.Module):
         """(this layer's output h, the residual stream before it is added): the next norm adds
         them, so each residual add rides on a norm. The first layer gets the embeddings as h
         and no residual. Post-norm layers (OLMo 2) add their own residuals and return None."""
+        if self.sandwich_norm:  # Gemma: each sublayer's output normalized too, before its add
+            if residual is None:
+                residual, h = h, self.input_layernorm(h)
+            else:
+                h = self.input_layernorm(h, residual)
+            h = self.pre_feedforward_layernorm(self.post_attention_layernorm(self.self_attn(h, rope, fb)), residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
         if self.post_norm:
             h = h + self.post_attention_layernorm(self.self_attn(h, rope, fb))
             return h + self.post_feedforward_layernorm(self.mlp(h)), None
@@ -125,6 +149,8 @@ class DecoderLayer(nn.Module):
         return (h * self.residual_multiplier if self.residual_multiplier != 1 else h), residual
 
 
+# Mixtral's checkpoint names for its experts -> Qwen3-MoE's, which ours are
+_MIXTRAL_NAMES = {"block_sparse_moe.": "mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
 # checkpoint name fragment -> (our fused parameter fragment, block index within it)
 _FUSED = {
     "q_proj": ("qkv_proj", 0),
@@ -139,10 +165,15 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext) -> None:
         super().__init__()
         self.cfg = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.rotary = rotary
+        # Gemma 3's sliding layers rotate on their own base, unscaled
+        self.local_rotary = (RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.local_rope_theta, None)
+                             if cfg.local_rope_theta is not None else None)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, self.local_rotary if self.local_rotary and cfg.window(i) else rotary, tp)
+            for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
 
@@ -153,15 +184,20 @@ class LlamaForCausalLM(nn.Module):
         if self.cfg.embedding_multiplier != 1:
             h = h * self.cfg.embedding_multiplier
         # a backend that fuses rotary reads the full tables itself (q/k-norm models still rotate here)
-        fused = fb.attn_backend.fuses_rotary and not self.cfg.qk_norm
+        fused = fb.attn_backend.fuses_rotary and not self.cfg.qk_norm and self.cfg.rotary_dim == self.cfg.head_dim
         rope = None if fused else self.rotary.tables(fb.positions)
+        local = None if fused or self.local_rotary is None else self.local_rotary.tables(fb.positions)
         for layer in self.layers:
-            h, residual = layer(h, residual, rope, fb)
+            h, residual = layer(h, residual, local if layer.self_attn.rotary is self.local_rotary else rope, fb)
         return self.norm(h, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.logits(hidden).float()
-        return logits / self.cfg.logits_scaling if self.cfg.logits_scaling != 1 else logits
+        if self.cfg.logits_scaling != 1:
+            logits = logits / self.cfg.logits_scaling
+        if self.cfg.final_softcap is not None:  # Gemma 2
+            logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         params = dict(self.named_parameters())
@@ -176,14 +212,31 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             param = params[target]
-            param.weight_loader(param, tensor.to(param.dtype), shard)
+            if shard is None:  # the checkpoint fuses the blocks (Phi-3): each block from its own rows
+                start = 0
+                for shard, size in enumerate(self.get_submodule(target.rsplit(".", 1)[0]).checkpoint_sizes):
+                    param.weight_loader(param, tensor.rows_from(start).to(param.dtype), shard)
+                    start += size
+            else:
+                param.weight_loader(param, tensor.to(param.dtype), shard)
             seen.add(target)
         missing = sorted(set(params) - seen)
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        if self.cfg.norm_weight_offset:  # Gemma's norms scale by 1 + w: added once here (in fp32, as HF adds it)
+            for m in self.modules():
+                if isinstance(m, RMSNorm):
+                    m.weight.data += self.cfg.norm_weight_offset
 
     @staticmethod
-    def _target(name: str) -> tuple[str, int]:
+    def _target(name: str) -> tuple[str, int | None]:
+        """(our parameter, the block of it the tensor fills; None: every block, the checkpoint
+        having fused them as we do)."""
+        if ".qkv_proj." in name or ".gate_up_proj." in name:
+            return name, None
+        if "block_sparse_moe." in name:
+            for old, new in _MIXTRAL_NAMES.items():
+                name = name.replace(old, new)
         for frag, (fused, shard) in _FUSED.items():
             if f".{frag}." in name:
                 return name.replace(frag, fused), shard
@@ -198,4 +251,9 @@ ARCHITECTURES = {
     "GraniteForCausalLM": LlamaForCausalLM,
     "Olmo2ForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
 }
