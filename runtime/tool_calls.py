@@ -17,8 +17,9 @@ Output, by ``tool_choice``:
   opens must hold a valid call of one of them: see `strict_tag`), and the text
   around them is the content. So is an
   output that is nothing but calls in bare JSON (one object or an array, with
-  ``arguments`` or ``parameters``, after Mistral's ``[TOOL_CALLS]`` or Llama
-  3.1's ``<|python_tag|>`` if present);
+  ``arguments`` or ``parameters``, after Mistral's ``[TOOL_CALLS]``, Llama
+  3.1's ``<|python_tag|>``, Granite 3's ``<|tool_call|>`` or Phi-4-mini's
+  ``functools`` if present);
 * ``required``: decoding is constrained to a JSON array of ``{"name",
   "arguments"}`` objects, each matching one tool's parameter schema (one item
   unless parallel calls are allowed), read back as bare calls, as under ``auto``;
@@ -185,8 +186,9 @@ def _split(text: str, names: set[str], parallel: bool) -> tuple[str, list[ToolCa
     return "".join(kept) + text[at:], calls
 
 
-# What Mistral's and Llama 3.1's templates have a model write before bare JSON calls.
-_MARKERS = ("[TOOL_CALLS]", "<|python_tag|>")
+# What a family's template has its model write before bare JSON calls: Mistral's, Llama 3.1's,
+# Granite 3's, Phi-4-mini's (`functools[...]`)
+_MARKERS = ("[TOOL_CALLS]", "<|python_tag|>", "<|tool_call|>", "functools")
 
 
 def _bare_calls(text: str, names: set[str], parallel: bool) -> list[ToolCall] | None:

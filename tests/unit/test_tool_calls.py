@@ -65,6 +65,10 @@ def test_text_that_is_no_call_of_a_known_tool_stays_content(text):
     ('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": {"a": 2}}]', False,
      [("add", {"a": 1})]),  # Mistral's
     ('<|python_tag|>{"name": "add", "parameters": {"a": 1}}', True, [("add", {"a": 1})]),  # Llama 3.1's
+    ('<|tool_call|>[{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": {"a": 2}}]', True,
+     [("add", {"a": 1}), ("add", {"a": 2})]),  # Granite 3's
+    ('functools[{"name": "get_weather", "arguments": {"city": "Oslo"}}]', True,
+     [("get_weather", {"city": "Oslo"})]),  # Phi-4-mini's
 ])
 def test_bare_json_calls_are_read(text, parallel, expected):
     content, calls = parse_auto(text, NAMES, parallel)
@@ -90,6 +94,7 @@ _PIECES = st.sampled_from([
     block("add", {"a": 1, "b": 2}), block("get_weather", {"city": "Oslo", "unit": "f"}),
     "<tool_call>oops</tool_call>", "<tool_call>", '{"name": "add", "arguments": {"a": 3}}',
     "[TOOL_CALLS]", "<|python_tag|>", "[1, 2]", '[{"name": "add", "arguments": {"a": 1}}]',
+    "<|tool_call|>", "functools", "<|tool", "funct",
 ])
 
 
