@@ -96,15 +96,15 @@ RADIXLM_AVX2 void decode_head_avx2(const float* q, int64_t head_dim, const KVLay
 
 namespace {
 
-// Dimensions 8 c0 .. 8 (c0 + W) of G heads' outputs: each key's value chunk read once, weighted
-// for the G heads (each accumulator sums over the keys in key order, as decode_head_avx2's).
+// Dimensions 8 c0 .. 8 (c0 + W) of G heads' weighted values over keys [k0, k1), into acc: each
+// key's value chunk read once, weighted for the G heads (each accumulator sums over the keys in
+// key order, as decode_head_avx2's).
 template <int G, int W>
-RADIXLM_AVX2 inline void weigh_values(const float* values, int64_t head_dim, const int64_t* slots, int64_t len,
-                                      const float* scores, const float* total, int64_t c0, float* out) {
-  __m256 acc[G][W];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < W; ++c) acc[g][c] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < len; ++k) {
+RADIXLM_AVX2 __attribute__((always_inline)) inline void accumulate(__m256 (&acc)[G][W], const float* values,
+                                                                  int64_t head_dim, const int64_t* slots, int64_t k0,
+                                                                  int64_t k1, const float* scores, int64_t len,
+                                                                  int64_t c0) {
+  for (int64_t k = k0; k < k1; ++k) {
     const float* value = values + slots[k] * head_dim + 8 * c0;
     __m256 p[G];
     for (int g = 0; g < G; ++g) p[g] = _mm256_set1_ps(scores[g * len + k]);
@@ -113,6 +113,16 @@ RADIXLM_AVX2 inline void weigh_values(const float* values, int64_t head_dim, con
       for (int g = 0; g < G; ++g) acc[g][c] = _mm256_fmadd_ps(p[g], v, acc[g][c]);
     }
   }
+}
+
+// A row's whole weighted values for dimensions 8 c0 .. 8 (c0 + W), normalized by each head's total.
+template <int G, int W>
+RADIXLM_AVX2 inline void weigh_values(const float* values, int64_t head_dim, const int64_t* slots, int64_t len,
+                                      const float* scores, const float* total, int64_t c0, float* out) {
+  __m256 acc[G][W];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < W; ++c) acc[g][c] = _mm256_setzero_ps();
+  accumulate<G, W>(acc, values, head_dim, slots, 0, len, scores, len, c0);
   for (int g = 0; g < G; ++g) {
     const __m256 inv = _mm256_set1_ps(1.0f / total[g]);
     for (int c = 0; c < W; ++c) _mm256_storeu_ps(out + g * head_dim + 8 * (c0 + c), _mm256_mul_ps(acc[g][c], inv));
@@ -218,15 +228,7 @@ RADIXLM_AVX2 inline void weigh_keys(const float* values, int64_t head_dim, const
   __m256 acc[G][W];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < W; ++c) acc[g][c] = _mm256_loadu_ps(acc_mem + 8 * (g * W + c));
-  for (int64_t k = k0; k < k1; ++k) {
-    const float* value = values + slots[k] * head_dim + 8 * c0;
-    __m256 p[G];
-    for (int g = 0; g < G; ++g) p[g] = _mm256_set1_ps(scores[g * len + k]);
-    for (int c = 0; c < W; ++c) {
-      const __m256 v = _mm256_loadu_ps(value + 8 * c);
-      for (int g = 0; g < G; ++g) acc[g][c] = _mm256_fmadd_ps(p[g], v, acc[g][c]);
-    }
-  }
+  accumulate<G, W>(acc, values, head_dim, slots, k0, k1, scores, len, c0);
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < W; ++c) _mm256_storeu_ps(acc_mem + 8 * (g * W + c), acc[g][c]);
 }
