@@ -20,7 +20,7 @@ import torch
 
 from radixlm.runtime.utils import ragged_arange
 from radixlm.runtime.worker.attention.base import AttentionBackend
-from radixlm.runtime.worker.attention.torch_backend import gather
+from radixlm.runtime.worker.attention.torch_backend import gather, soft_cap
 from radixlm.runtime.worker.forward_batch import ForwardBatch
 
 KEY_BLOCK = 64
@@ -75,8 +75,7 @@ class InvariantAttention(AttentionBackend):
             values = gather(v_pool, slots).float().view(n, blocks, KEY_BLOCK, kv_heads, dim).permute(0, 3, 1, 2, 4)
             queries = qg[part].expand(n, kv_heads, blocks, group, dim).contiguous().view(-1, group, dim)
             scores = torch.bmm(queries, keys.contiguous().view(-1, dim, KEY_BLOCK)).view(n, kv_heads, blocks, group, KEY_BLOCK)
-            if softcap is not None:
-                scores = torch.tanh(scores / softcap) * softcap
+            scores = soft_cap(scores, softcap)
             scores = scores.masked_fill_(~visible.view(n, 1, blocks, 1, KEY_BLOCK), float("-inf"))
             top = scores.amax(dim=(2, 4), keepdim=True)  # exact: the same whatever the padding
             p = torch.exp(scores - top)

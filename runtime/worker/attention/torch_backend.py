@@ -121,7 +121,7 @@ def attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask
     if gqa:
         group = queries.shape[1] // keys.shape[1]
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-    scores = torch.tanh(torch.matmul(queries, keys.transpose(-1, -2)) * scale / softcap) * softcap
+    scores = soft_cap(torch.matmul(queries, keys.transpose(-1, -2)) * scale, softcap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), values)
@@ -161,7 +161,7 @@ def _decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: 
         keys = gather_heads(k_pool, b.index, b.kv_slots.shape).float().view(kv_heads * n, width, dim)
         values = gather_heads(v_pool, b.index, b.kv_slots.shape).float().view(kv_heads * n, width, dim)
         queries = qg[:, b.rows].reshape(kv_heads * n, group, dim)
-        scores = _cap(torch.bmm(queries, keys.transpose(1, 2)), softcap).view(kv_heads, n, group, width)
+        scores = soft_cap(torch.bmm(queries, keys.transpose(1, 2)), softcap).view(kv_heads, n, group, width)
         if b.mask is not None:
             scores = scores.masked_fill_(~b.mask, float("-inf"))
         o, m, l = _partial_softmax(scores.view(kv_heads * n, group, width), values)
@@ -177,7 +177,7 @@ def _decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: 
             keys = gather_heads(k_pool, s.index, s.slots.shape).float()
             values = gather_heads(v_pool, s.index, s.slots.shape).float()
         queries = qg[:, s.rows].reshape(kv_heads, n * group, dim)
-        o, m, l = _partial_softmax(_cap(torch.bmm(queries, keys.transpose(1, 2)), softcap), values)  # [kv_heads, n g, L]
+        o, m, l = _partial_softmax(soft_cap(torch.bmm(queries, keys.transpose(1, 2)), softcap), values)  # [kv_heads, n g, L]
         o, m, l = (t.view(kv_heads, n, group, -1) for t in (o, m, l))
         own_lse = lse[:, s.rows]
         top = torch.maximum(own_lse, m)
@@ -186,7 +186,8 @@ def _decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: 
     return out.transpose(0, 1).reshape(rows, heads, dim).to(q.dtype)
 
 
-def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+def soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma 2's cap on attention scores: softcap * tanh(score / softcap) (None: none)."""
     return scores if softcap is None else torch.tanh(scores / softcap) * softcap
 
 
