@@ -107,8 +107,9 @@ class ServerArgs:
         "help": "native /generate streams send only what is new in each chunk (default, as SGLang: the text, "
                 "output ids and output logprobs so far)"})
     reasoning_parser: str | None = field(default=None, metadata={
-        "help": "the model's reasoning format (qwen3, qwen3-thinking, deepseek-r1): chat answers carry the <think> block as "
-                "reasoning_content, and constraints start after it"})
+        "help": "the model's reasoning format (qwen3, qwen3-thinking, deepseek-r1; gpt-oss: its harmony channels, "
+                "tool calls included): chat answers carry the reasoning as reasoning_content, and constraints start "
+                "after it"})
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:

@@ -20,12 +20,13 @@ from typing import Any
 # Architectures the Llama-family model class serves, by HF `architectures` name.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "GraniteForCausalLM", "Olmo2ForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM",
-                           "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+                           "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM",
+                           "Qwen2MoeForCausalLM", "GptOssForCausalLM")
 # GGUF `general.architecture` -> HF architecture.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                       "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                      "phi3": "Phi3ForCausalLM"}
+                      "phi3": "Phi3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "gpt-oss": "GptOssForCausalLM"}
 # llama.cpp's SmolLM3 leaves rotary out of every 4th layer; no GGUF key says so (it is fixed there)
 SMOLLM3_NO_ROPE_STEP = 4
 # Gemma's global layers, one in every this many (the rest slide), as HF's defaults and llama.cpp's
@@ -37,6 +38,11 @@ GEMMA3_LOCAL_ROPE_THETA = 10000.0
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # HF activation names -> ours
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# gpt-oss's experts: a SwiGLU with its inputs clamped (gate below `limit`, up within +-`limit`),
+# the gate's sigmoid sharpened by `alpha`, and up offset by 1; its defaults, where a file names none
+GPT_OSS_SWIGLU = {"alpha": 1.702, "limit": 7.0}
+# llama.cpp's gpt-oss: layers alternate sliding (even) and global (odd), as HF's defaults have them
+GPT_OSS_GLOBAL_EVERY = 2
 
 
 class UnsupportedModelError(ValueError):
@@ -58,6 +64,9 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    output_bias: bool = False  # gpt-oss: and on the attention's output projection
+    # gpt-oss: a learned logit per query head that joins each softmax's denominator (no value)
+    attention_sinks: bool = False
     # RMSNorm over q and k before rotary: "" none, "head" over each head (Qwen3), "projection" over
     # all of q's and all of k's heads at once (OLMo 2)
     qk_norm: str = ""
@@ -94,6 +103,16 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: list[bool] | None = None
+    # "softmax_topk": the top k of the router's softmax (Qwen, Mixtral); "topk_softmax": a softmax
+    # over the top k logits (gpt-oss)
+    moe_router: str = "softmax_topk"
+    moe_bias: bool = False  # gpt-oss: biases on the router and on every expert's projections
+    # Qwen2-MoE: a shared expert of this width beside the routed ones, its output scaled by the
+    # sigmoid of a learned projection of the token (0: none)
+    shared_expert_size: int = 0
+    # gpt-oss's clamped SwiGLU (hidden_act "swiglu_clamped"): GPT_OSS_SWIGLU's alpha and limit
+    swiglu_alpha: float = GPT_OSS_SWIGLU["alpha"]
+    swiglu_limit: float = GPT_OSS_SWIGLU["limit"]
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -112,8 +131,11 @@ class ModelConfig:
             raise UnsupportedModelError(f"the config names {len(self.sliding_layers)} layer types for {self.num_layers} layers")
         if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
             raise UnsupportedModelError(f"{self.experts_per_token} experts a token of {self.num_experts}")
-        if self.hidden_act not in ACTIVATIONS.values():
-            raise ValueError(f"hidden_act must be one of {sorted(set(ACTIVATIONS.values()))}, not {self.hidden_act!r}")
+        if self.hidden_act not in (*ACTIVATIONS.values(), "swiglu_clamped"):
+            raise ValueError(f"hidden_act must be one of {sorted({*ACTIVATIONS.values(), 'swiglu_clamped'})}, "
+                             f"not {self.hidden_act!r}")
+        if self.moe_router not in ("softmax_topk", "topk_softmax"):
+            raise ValueError(f"moe_router must be 'softmax_topk' or 'topk_softmax', not {self.moe_router!r}")
 
     @property
     def rotary_dim(self) -> int:
@@ -137,7 +159,8 @@ class ModelConfig:
                 and self.residual_multiplier == 1 and self.attention_multiplier is None and self.logits_scaling == 1
                 and self.sliding_layers is None and not self.sandwich_norm and self.hidden_act == "silu"
                 and not self.norm_weight_offset and self.attn_softcap is None and self.final_softcap is None
-                and self.local_rope_theta is None and not self.num_experts and self.partial_rotary_factor == 1)
+                and self.local_rope_theta is None and not self.num_experts and self.partial_rotary_factor == 1
+                and not self.attention_sinks and not self.output_bias)
 
     @property
     def context_length(self) -> int:
@@ -172,6 +195,8 @@ class ModelConfig:
                 rope_scaling = rope_scaling or params
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("longrope", "su"):
             rope_scaling = _longrope(rope_scaling, cfg)
+        elif rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "yarn":
+            rope_scaling = _yarn(rope_scaling, cfg.get("max_position_embeddings"))
         if arch == "Gemma3ForCausalLM" and local_theta is None:
             local_theta = GEMMA3_LOCAL_ROPE_THETA
         if cfg.get("mlp_bias"):
@@ -188,11 +213,12 @@ class ModelConfig:
         granite = arch == "GraniteForCausalLM"
         experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
         moe_layers = None
-        if arch == "Qwen3MoeForCausalLM":
+        gpt_oss = arch == "GptOssForCausalLM"
+        if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
             step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or [])
             moe_layers = [i not in dense and (i + 1) % step == 0 for i in range(layers)]
             moe_layers = None if all(moe_layers) else moe_layers
-        elif arch != "MixtralForCausalLM":
+        elif arch not in ("MixtralForCausalLM", "GptOssForCausalLM"):
             experts = 0  # (another family's config naming experts is not one we serve as such)
         if gemma:
             attention_multiplier = float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 1) ** -0.5
@@ -213,7 +239,10 @@ class ModelConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", arch in ("Qwen2ForCausalLM",
+                                                                                    "Qwen2MoeForCausalLM")))),
+            output_bias=gpt_oss and bool(cfg.get("attention_bias", True)),
+            attention_sinks=gpt_oss,
             qk_norm={"Qwen3ForCausalLM": "head", "Olmo2ForCausalLM": "projection", "Gemma3ForCausalLM": "head",
                      "Qwen3MoeForCausalLM": "head"}.get(arch, ""),
             post_norm=arch == "Olmo2ForCausalLM",
@@ -228,7 +257,9 @@ class ModelConfig:
             sliding_window=window,
             sliding_layers=sliding,
             sandwich_norm=gemma,
-            hidden_act=ACTIVATIONS[act],
+            hidden_act="swiglu_clamped" if gpt_oss else ACTIVATIONS[act],
+            swiglu_alpha=float(cfg.get("swiglu_alpha", GPT_OSS_SWIGLU["alpha"])),
+            swiglu_limit=float(cfg.get("swiglu_limit", GPT_OSS_SWIGLU["limit"])),
             norm_weight_offset=1.0 if gemma else 0.0,
             attn_softcap=cfg.get("attn_logit_softcapping") if gemma else None,
             final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
@@ -237,8 +268,13 @@ class ModelConfig:
             experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
             # Qwen3-MoE's experts have their own width; Mixtral's are intermediate_size wide
             moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0,
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) if arch == "Qwen3MoeForCausalLM" else True,
+            norm_topk_prob=(bool(cfg.get("norm_topk_prob", arch == "Qwen3MoeForCausalLM"))
+                            if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM") else True),
             moe_layers=moe_layers,
+            moe_router="topk_softmax" if gpt_oss else "softmax_topk",
+            moe_bias=gpt_oss,
+            shared_expert_size=(int(cfg.get("shared_expert_intermediate_size") or 0)
+                                if arch == "Qwen2MoeForCausalLM" else 0),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         )
@@ -297,6 +333,9 @@ class ModelConfig:
             attention_multiplier = float(meta[f"{a}.attention.scale"])
         elif a == "phi3":  # every layer over its window, where the file gives one
             window = meta.get(f"{a}.attention.sliding_window") or None
+        elif a == "gpt-oss":
+            window = meta.get(f"{a}.attention.sliding_window") or None
+            sliding = [(i + 1) % GPT_OSS_GLOBAL_EVERY != 0 for i in range(layers)] if window else None
         rope_scaling = None
         rope_factors = rope_factors or {}
         if "rope_factors_long" in rope_factors:  # Phi-3's LongRoPE
@@ -306,11 +345,17 @@ class ModelConfig:
                             "attention_factor": float(meta.get(f"{a}.rope.scaling.attn_factor", 1.0))}
         elif "rope_freqs" in rope_factors:
             rope_scaling = {"rope_type": "factors", "factors": rope_factors["rope_freqs"]}
+        elif meta.get(f"{a}.rope.scaling.type") == "yarn":  # as llama.cpp applies it: the ramp's ends rounded
+            rope_scaling = _yarn({"factor": meta.get(f"{a}.rope.scaling.factor"),
+                                  "original_max_position_embeddings": meta[f"{a}.rope.scaling.original_context_length"],
+                                  "beta_fast": meta.get(f"{a}.rope.scaling.yarn_beta_fast"),
+                                  "beta_slow": meta.get(f"{a}.rope.scaling.yarn_beta_slow")},
+                                 meta.get(f"{a}.context_length"))
         elif meta.get(f"{a}.rope.scaling.type") == "linear":
             rope_scaling = {"rope_type": "linear", "factor": float(meta[f"{a}.rope.scaling.factor"])}
         elif meta.get(f"{a}.rope.scaling.type", "none") != "none":
             raise UnsupportedModelError(f"GGUF rope scaling {meta[f'{a}.rope.scaling.type']!r} is not supported "
-                                        "(supported: linear, and per-frequency factors in rope_freqs)")
+                                        "(supported: linear, yarn, and per-frequency factors in rope_freqs)")
         return cls(
             architecture=arch,
             vocab_size=int(vocab),
@@ -327,6 +372,8 @@ class ModelConfig:
             max_position_embeddings=int(meta.get(f"{a}.context_length", 4096)),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
+            output_bias="blk.0.attn_output.bias" in tensor_names,
+            attention_sinks="blk.0.attn_sinks.weight" in tensor_names,
             qk_norm=("projection" if a == "olmo2" else "head") if "blk.0.attn_q_norm.weight" in tensor_names else "",
             post_norm=a == "olmo2",
             embedding_multiplier=(float(meta.get(f"{a}.embedding_scale", 1.0)) if granite
@@ -338,21 +385,44 @@ class ModelConfig:
             sliding_window=int(window) if window else None,
             sliding_layers=sliding,
             sandwich_norm=gemma,
-            hidden_act="gelu_tanh" if gemma else "silu",
+            hidden_act="gelu_tanh" if gemma else "swiglu_clamped" if a == "gpt-oss" else "silu",
             attn_softcap=float(meta.get(f"{a}.attn_logit_softcapping", 50.0)) if a == "gemma2" else None,
             # llama.cpp caps a Gemma 2's logits at 30 where its file has no key, a Gemma 3's not at all
             final_softcap=(float(meta.get(f"{a}.final_logit_softcapping", 30.0)) if a == "gemma2"
                            else float(meta[f"{a}.final_logit_softcapping"])
                            if a == "gemma3" and meta.get(f"{a}.final_logit_softcapping") else None),
             local_rope_theta=GEMMA3_LOCAL_ROPE_THETA if a == "gemma3" and window else None,
-            # llama.cpp renormalizes the top experts' weights for both families
+            # llama.cpp renormalizes the top experts' weights of Qwen3-MoE and Mixtral, not Qwen2-MoE's
             num_experts=experts,
+            norm_topk_prob=a != "qwen2moe",
+            moe_router="topk_softmax" if a == "gpt-oss" else "softmax_topk",
+            moe_bias=a == "gpt-oss",
+            shared_expert_size=int(meta.get(f"{a}.expert_shared_feed_forward_length", 0)) if experts else 0,
             experts_per_token=int(meta.get(f"{a}.expert_used_count", 0)) if experts else 0,
             moe_intermediate_size=(int(meta.get(f"{a}.expert_feed_forward_length", meta[f"{a}.feed_forward_length"]))
                                    if experts else 0),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[int(eos)] if eos is not None else [],
         )
+
+
+def _yarn(scaling: dict[str, Any], max_positions: int | None) -> dict[str, Any]:
+    """YaRN (gpt-oss, Qwen's long-context configs), its defaults filled in as HF fills them: the
+    factor from the contexts, the attention factor 0.1 ln(factor) + 1 (or the ratio of two
+    such terms where the config gives mscale and mscale_all_dim), betas 32 and 1, the ramp's
+    ends rounded outwards (`truncate`) unless the config says not to."""
+    original = int(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or (max_positions or original) / original)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        def mscale(m: float) -> float:
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+        both = scaling.get("mscale") and scaling.get("mscale_all_dim")
+        attention = mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"]) if both else mscale(1.0)
+    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
+            "attention_factor": float(attention), "beta_fast": float(scaling.get("beta_fast") or 32),
+            "beta_slow": float(scaling.get("beta_slow") or 1), "truncate": bool(scaling.get("truncate", True))}
 
 
 def _longrope(scaling: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:

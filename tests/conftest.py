@@ -33,6 +33,8 @@ NEW_TOKENS = 32
 # LongRoPE over 12 of a 16-dimension head: 6 frequencies, each its own factor
 PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
              "short_factor": [1.0, 1.3, 1.7, 2.2, 3.0, 4.0], "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
+                "original_max_position_embeddings": 64, "rope_theta": 10000.0}
 # Small shapes of each supported family; each exercises a different code path.
 TINY_CONFIGS = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=True, rope_scaling={
@@ -65,6 +67,16 @@ TINY_CONFIGS = {
     # q/k/v and gate/up fused in the checkpoint; Phi-4's partial rotary (12 of 16 dimensions) under
     # LongRoPE's short factors (the context is the original one: no attention factor)
     "phi3": ("Phi3Config", dict(original_max_position_embeddings=1024, rope_parameters=PHI3_ROPE)),
+    # a shared expert beside 4 routed ones, its sigmoid gate; HF's default: the top 2 not renormalized
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                         shared_expert_intermediate_size=96, tie_word_embeddings=False)),
+    # sinks, sliding layers (window 8) beside global ones, biases on attention's output, the
+    # router and every expert; the clamped SwiGLU (its experts' gate/up scaled up so that the
+    # clamp at 7 bites); YaRN past an original context of 64 (its ramp rounded, as llama.cpp's
+    # is: the GGUF test reads the same)
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8,
+                                     layer_types=["sliding_attention", "full_attention"],
+                                     rope_parameters=GPT_OSS_ROPE)),
 }
 
 
@@ -83,6 +95,10 @@ def make_tiny_checkpoint(kind: str, path: str, vocab_size: int = TINY_VOCAB, **o
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("sinks"):  # gpt-oss's: about as large as the scores, so that they matter
+                p.uniform_(-1.0, 2.0)
+            elif name.endswith("experts.gate_up_proj"):  # gpt-oss's: its SwiGLU's clamps at +-7 reached
+                p.mul_(6.0)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.1)
     model.save_pretrained(path)

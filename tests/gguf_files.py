@@ -18,7 +18,7 @@ from safetensors.numpy import load_file
 # HF model_type -> llama.cpp architecture
 ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "granite": "granite",
           "olmo2": "olmo2", "smollm3": "smollm3", "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama",
-          "qwen3_moe": "qwen3moe", "phi3": "phi3"}
+          "qwen3_moe": "qwen3moe", "phi3": "phi3", "qwen2_moe": "qwen2moe", "gpt_oss": "gpt-oss"}
 # one expert's matrix, as HF names it (Qwen3-MoE's names, Mixtral's): llama.cpp stacks each kind
 # of every expert of a layer in one [experts, rows, columns] tensor
 EXPERT = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight")
@@ -27,6 +27,8 @@ EXPERT = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(
 GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
 # architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel and the classes on it)
 PERMUTED = {"llama", "granite", "smollm3"}
+# gpt-oss's experts as HF stacks them, for x @ W: [experts, in, out], gate and up interleaved along out
+GPT_OSS_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?")
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -46,8 +48,18 @@ def _llama3_divisors(hf_dir: str, head_dim: int, theta: float) -> np.ndarray:
     return (plain / scaled.float()).numpy().astype(np.float32)
 
 
-def write_gguf(hf_dir: str, path: str) -> str:
-    """Write the checkpoint in `hf_dir` to `path` as an F32 GGUF; returns `path`."""
+def write_gguf(hf_dir: str, path: str, experts_as: str | None = None) -> str:
+    """Write the checkpoint in `hf_dir` to `path` as an F32 GGUF; returns `path`. `experts_as`: a
+    GGML type (e.g. "MXFP4", gpt-oss's) to quantize the experts' matrices to, with gguf's own
+    quantizer."""
+
+    def matrix(name: str, t: np.ndarray) -> None:  # an expert stack, quantized where asked
+        if experts_as is None:
+            w.add_tensor(name, t)
+        else:
+            qtype = gguf.GGMLQuantizationType[experts_as]
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(t), qtype), raw_dtype=qtype)
+
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)
     arch = ARCHES[cfg["model_type"]]
@@ -61,7 +73,7 @@ def write_gguf(hf_dir: str, path: str) -> str:
             raise ValueError("llama.cpp's Gemma 3 rotates its sliding layers on base 10000, unscaled, and no other")
         rope = rope["full_attention"]
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", "llama3", "linear", "longrope"):
+    if kind not in ("default", "llama3", "linear", "longrope", "yarn"):
         raise ValueError(f"rotary scaling {kind!r} is not written here")
     if arch == "smollm3":  # llama.cpp's SmolLM3 has no key for it: rotary is left out of every 4th layer
         if cfg["no_rope_layers"] != [int((i + 1) % 4 != 0) for i in range(layers)]:
@@ -99,8 +111,12 @@ def write_gguf(hf_dir: str, path: str) -> str:
             w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     if experts:
-        if not cfg.get("norm_topk_prob", True):
+        if arch in ("llama", "qwen3moe") and not cfg.get("norm_topk_prob", True):
             raise ValueError("llama.cpp renormalizes the top experts' weights of these families")
+        if arch == "qwen2moe" and cfg.get("norm_topk_prob"):
+            raise ValueError("llama.cpp's Qwen2-MoE does not renormalize the top experts' weights")
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         if "moe_intermediate_size" in cfg:
@@ -115,21 +131,46 @@ def write_gguf(hf_dir: str, path: str) -> str:
         w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
         w.add_rope_scaling_attn_factors(1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original)))
         w.add_rope_scaling_orig_ctx_len(original)
+    if arch == "gpt-oss":  # llama.cpp's: layers alternate sliding and global, its clamped SwiGLU fixed
+        if cfg["layer_types"] != ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]:
+            raise ValueError("llama.cpp's gpt-oss alternates sliding and global layers and no other pattern")
+        if cfg["swiglu_limit"] != 7.0 or cfg["swiglu_alpha"] != 1.702:
+            raise ValueError("llama.cpp's gpt-oss clamps at 7 with alpha 1.702, no key says otherwise")
+        w.add_sliding_window(cfg["sliding_window"])
+    if kind == "yarn":  # llama.cpp rounds the ramp's ends outwards (HF's truncate)
+        if not rope.get("truncate", True):
+            raise ValueError("llama.cpp's YaRN rounds its ramp's ends: a checkpoint with truncate=False reads otherwise")
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
     if kind == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rope["factor"]))
     if kind == "llama3":  # as llama.cpp's converter: each frequency's divisor in a rope_freqs tensor
         w.add_tensor("rope_freqs.weight", _llama3_divisors(hf_dir, head_dim, float(rope.get("rope_theta", 10000.0))))
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper().replace("-", "_")], layers)
     tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
     stacks: dict[str, list[tuple[int, np.ndarray]]] = {}
     for name in [n for n in tensors if EXPERT.fullmatch(n)]:
         m = EXPERT.fullmatch(name)
         stacks.setdefault(f"{m.group(1)}.{m.group(3)}", []).append((int(m.group(2)), tensors.pop(name)))
     for base, parts in stacks.items():
-        w.add_tensor(f"{names.get_name(base)}.weight", np.stack([t.astype(np.float32) for _, t in sorted(parts)]))
+        matrix(f"{names.get_name(base)}.weight", np.stack([t.astype(np.float32) for _, t in sorted(parts)]))
+    for name in [n for n in tensors if GPT_OSS_EXPERTS.fullmatch(n)]:  # split and transposed, as llama.cpp's converter
+        prefix, proj, bias = GPT_OSS_EXPERTS.fullmatch(name).groups()
+        t = tensors.pop(name).astype(np.float32)
+        suffix = "bias" if bias else "weight"
+        if proj == "down_proj":
+            name = f"{names.get_name(prefix + '.down_proj')}.{suffix}"
+            w.add_tensor(name, t) if bias else matrix(name, t.transpose(0, 2, 1).copy())
+            continue
+        for half, kind_ in ((t[..., 0::2], "gate"), (t[..., 1::2], "up")):
+            name = f"{names.get_name(prefix + '.' + kind_ + '_proj')}.{suffix}"
+            w.add_tensor(name, np.ascontiguousarray(half)) if bias else matrix(name, half.transpose(0, 2, 1))
     for name, t in sorted(tensors.items()):
         base, suffix = name.rsplit(".", 1)
+        if suffix == "sinks":  # gpt-oss's, a tensor of its own name
+            base, suffix = name, "weight"
         target = names.get_name(base)
         if target is None:
             raise KeyError(f"no GGUF name for {name}")

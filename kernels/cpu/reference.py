@@ -61,7 +61,7 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos2: torch.Tensor, s
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                      rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int = 0,
-                     softcap: float = 0.0) -> torch.Tensor:
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     d = k_pool.shape[2]
     out = []
     for r in range(rows.shape[0]):
@@ -73,5 +73,8 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         scores = torch.einsum("hd,hkd->hk", q[r].view(-1, d), keys) * scale
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
-        out.append(torch.einsum("hk,hkd->hd", torch.softmax(scores, -1), values).reshape(-1))
+        if sinks is not None:  # the sink's column joins the softmax, then is dropped
+            scores = torch.cat((scores, sinks[:, None]), dim=1)
+        probs = torch.softmax(scores, -1)[:, : keys.shape[1]]
+        out.append(torch.einsum("hk,hkd->hd", probs, values).reshape(-1))
     return torch.stack(out)

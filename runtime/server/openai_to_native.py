@@ -65,6 +65,8 @@ def chat_to_generate(req: ChatCompletionRequest, prompt_text: str,
         body["chat_template_kwargs"] = template_kwargs
     if reasoning is not None and reasoning.thinking(req.chat_template_kwargs):
         body["require_reasoning"] = True
+    if reasoning is not None and reasoning.special_tokens and req.skip_special_tokens is None:
+        params["skip_special_tokens"] = False  # gpt-oss's channels are special tokens: kept to be read
     if req.logprobs:
         body["return_logprob"] = True
         body["top_logprobs_num"] = req.top_logprobs or 0

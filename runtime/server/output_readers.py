@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from radixlm.runtime import tool_calls
-from radixlm.runtime.reasoning import ReasoningFormat, ReasoningStream, Split, reasoning_format, split_reasoning
+from radixlm.runtime.reasoning import ReasoningFormat, Split, reasoning_format, reasoning_stream, split_reasoning
 from radixlm.runtime.server.openai_protocol import ChatCompletionRequest
 
 
@@ -116,7 +116,7 @@ class ReasoningDeltas:
     """One streamed choice's text split into reasoning and content deltas."""
 
     def __init__(self, reader: ReasoningReader) -> None:
-        self.stream = ReasoningStream(reader.fmt, reader.thinking)
+        self.stream = reasoning_stream(reader.fmt, reader.thinking)
         self.whole = reader.whole
         self.thought = ""  # reasoning held back until it ends (``whole``)
 

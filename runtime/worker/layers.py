@@ -104,10 +104,12 @@ class RowParallelLinear(nn.Module):
 
     quant_role = "linear"
 
-    def __init__(self, in_features: int, out_features: int, tp: TPContext) -> None:
+    def __init__(self, in_features: int, out_features: int, tp: TPContext, bias: bool = False) -> None:
+        """`bias`: added once, to the reduced sum (every rank holds all of it)."""
         super().__init__()
         self.tp = tp
         self.weight = _param((out_features, in_features // tp.size), self._load)
+        self.bias = _param((out_features,), _copy_loader) if bias else None
 
     def _load(self, param: nn.Parameter, loaded: Weight, shard: int = 0) -> None:
         cols = self.tp.shard(loaded.shape[1])
@@ -115,7 +117,8 @@ class RowParallelLinear(nn.Module):
         _keep_blocks(param, loaded, lambda: loaded.col_blocks(*cols), slice(None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(linear(x, self.weight))
+        out = self.tp.all_reduce(linear(x, self.weight))
+        return out if self.bias is None else out.add_(self.bias)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -215,6 +218,29 @@ class GeluTanhMul(nn.Module):
         return F.gelu(gate, approximate="tanh") * up
 
 
+class ClampedSwiGLU(nn.Module):
+    """gpt-oss's experts' activation for [tokens, 2 * inner] (gate first): the gate clamped below
+    `limit`, up within +-`limit`, then gate * sigmoid(alpha * gate) * (up + 1)."""
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return gate * torch.sigmoid(gate * self.alpha) * (up + 1)
+
+
+def activation(cfg: Any) -> nn.Module:
+    """The gated MLP's activation a ModelConfig names."""
+    if cfg.hidden_act == "gelu_tanh":
+        return GeluTanhMul()
+    if cfg.hidden_act == "swiglu_clamped":
+        return ClampedSwiGLU(cfg.swiglu_alpha, cfg.swiglu_limit)
+    return SiluMul()
+
+
 def _copy_loader(param: nn.Parameter, loaded: Weight, shard: int = 0) -> None:
     param.data.copy_(loaded.full())
 
@@ -222,7 +248,7 @@ def _copy_loader(param: nn.Parameter, loaded: Weight, shard: int = 0) -> None:
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding in the "rotate half" layout over the first `dim` dimensions of a
     head (all of them but for Phi-4's partial rotary), with an optional frequency scaling (linear,
-    llama3, a GGUF's per-frequency factors, or Phi-3's LongRoPE: its long factors wherever the
+    llama3, YaRN, a GGUF's per-frequency factors, or Phi-3's LongRoPE: its long factors wherever the
     model's context passes its original one, as llama.cpp serves it at that context, and its
     attention factor on the tables)."""
 
@@ -237,6 +263,9 @@ class RotaryEmbedding(nn.Module):
             if factors.shape != wavelengths.shape:
                 raise ValueError(f"LongRoPE has {factors.numel()} factors for {wavelengths.numel()} frequencies")
             inv_freq = 1.0 / (factors * wavelengths)
+            magnitude = scaling["attention_factor"]
+        elif scaling and scaling.get("rope_type") == "yarn":
+            inv_freq = _yarn_inv_freq(wavelengths, theta, scaling)
             magnitude = scaling["attention_factor"]
         elif scaling:
             inv_freq = _scale_inv_freq(inv_freq, scaling)
@@ -266,6 +295,28 @@ class RotaryEmbedding(nn.Module):
         return (x32 * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
 
 
+def _yarn_inv_freq(wavelengths: torch.Tensor, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN: the frequencies that turn fewer than `beta_slow` times over the original context are
+    interpolated (divided by the factor), those that turn more than `beta_fast` times kept, and
+    those between blended along a linear ramp over their index (its ends rounded outwards where
+    `truncate`, as llama.cpp always does)."""
+    dim = 2 * wavelengths.shape[0]
+    original, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+
+    def index_turning(turns: float) -> float:  # the (fractional) frequency index that turns `turns` times
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = index_turning(scaling["beta_fast"]), index_turning(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # 1: the frequency as it is, 0: interpolated
+    return 1.0 / (factor * wavelengths) * (1 - kept) + 1.0 / wavelengths * kept
+
+
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
@@ -278,7 +329,8 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Te
             raise ValueError(f"rope_freqs holds {factors.numel()} factors for {inv_freq.numel()} frequencies")
         return inv_freq / factors
     if kind != "llama3":
-        raise NotImplementedError(f"rope scaling {kind!r} is not supported (supported: default, linear, llama3)")
+        raise NotImplementedError(f"rope scaling {kind!r} is not supported (supported: default, linear, llama3, "
+                                  "yarn, longrope)")
     factor = float(scaling["factor"])
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     old_ctx = float(scaling["original_max_position_embeddings"])

@@ -99,11 +99,85 @@ def _iter_safetensors(path: str) -> Iterator[tuple[str, Weight]]:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path!r}")
+    stacked: dict[str, str] = {}  # gpt-oss's stacked expert tensors -> their file, read once all are found
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
+                if _STACKED.fullmatch(name):
+                    stacked[name] = file
+                    continue
                 part = f.get_slice(name)
                 yield name, Weight(part, part.get_shape())
+    yield from _split_experts(stacked)
+
+
+# gpt-oss's experts as HF keeps them: each projection of every expert in one tensor, laid out for
+# x @ W ([experts, in, out], gate and up interleaved along out) with a bias beside it, or in
+# OpenAI's MXFP4 (`_blocks` [experts, out, in / 32, 16] bytes, two E2M1 values a byte, low nibble
+# first; `_scales` [experts, out, in / 32] E8M0 exponents)
+_STACKED = re.compile(r"(.+\.mlp\.experts)\.(gate_up_proj|down_proj)(|_bias|_blocks|_scales)")
+
+
+def _split_experts(stacked: dict[str, str]) -> Iterator[tuple[str, Weight]]:
+    """Each expert's matrices and biases of gpt-oss's stacked tensors, under our per-expert names
+    (gate and up de-interleaved into our fused gate_up_proj, gate first)."""
+    from safetensors import safe_open
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(stacked[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+    for name in sorted(stacked):
+        prefix, proj, kind = _STACKED.fullmatch(name).groups()
+        if kind == "_scales":
+            continue
+        t = read(name)
+        gate_up = proj == "gate_up_proj"
+        for e in range(t.shape[0]):
+            base = f"{prefix}.{e}.{proj}"
+            if kind == "_bias":
+                b = t[e]
+                yield f"{base}.bias", Weight(torch.cat((b[0::2], b[1::2])) if gate_up else b, b.shape)
+            elif kind == "_blocks":
+                exps = read(f"{prefix}.{proj}_scales")[e]
+                m = MXFP4Matrix(t[e].numpy(), exps.numpy(), interleaved=gate_up)
+                yield f"{base}.weight", Weight(m, m.shape)
+            else:
+                w = t[e].t()  # [out, in]
+                w = torch.cat((w[0::2], w[1::2])) if gate_up else w.contiguous()
+                yield f"{base}.weight", Weight(w, w.shape)
+
+
+class MXFP4Matrix:
+    """One expert's matrix in OpenAI's MXFP4 (blocks [out, in / 32, 16] bytes, exponents
+    [out, in / 32]), read as a GGUF tensor is: dequantized as far as indexed, or as the 8-bit
+    codes MXFP4_TWICE[q] with scale 2^(e - 128) (exact). `interleaved`: its rows alternate gate
+    and up (gpt-oss's gate_up_proj), reordered gate rows first."""
+
+    format = "MXFP4"
+    has_blocks = True
+
+    def __init__(self, blocks: np.ndarray, exponents: np.ndarray, interleaved: bool = False) -> None:
+        rows = blocks.shape[0]
+        pairs = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(rows, -1)  # low nibble first
+        self._codes, self._exps = MXFP4_TWICE[pairs], exponents
+        if interleaved:
+            order = np.concatenate([np.arange(0, rows, 2), np.arange(1, rows, 2)])
+            self._codes, self._exps = self._codes[order], self._exps[order]
+        self.shape = self._codes.shape
+
+    def blocks(self, rows: slice, cols: slice) -> Blocks | None:
+        c0, c1, _ = cols.indices(self.shape[1])
+        if c0 % 32 or c1 % 32:
+            return None
+        scale = mxfp4_scale(self._exps[rows, c0 // 32 : c1 // 32])
+        return Blocks(torch.from_numpy(np.ascontiguousarray(self._codes[rows, c0:c1])), torch.from_numpy(scale),
+                      torch.zeros(scale.shape), 8, 32)
+
+    def __getitem__(self, key: slice | tuple[slice, slice]) -> torch.Tensor:
+        rows, cols = key if isinstance(key, tuple) else (key, slice(None))
+        b = self.blocks(rows, slice(None))
+        return b.dequantize()[:, cols].contiguous()
 
 
 # ---- GGUF -------------------------------------------------------------------------------
@@ -118,6 +192,8 @@ _GGUF_LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",  # gpt-oss's
+    "attn_sinks.weight": "self_attn.sinks",  # gpt-oss's per-head sink logits
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "post_attention_norm.weight": "post_attention_layernorm.weight",  # OLMo 2's norms after each sublayer
@@ -126,6 +202,11 @@ _GGUF_LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",  # a mixture of experts' router
+    "ffn_gate_inp.bias": "mlp.gate.bias",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",  # Qwen2-MoE's shared expert, and its gate
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
     "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3's q, k and v in one tensor, as ours
 }
 # where a family's file means another HF tensor by the same name: a Gemma's ffn_norm is the norm
@@ -137,8 +218,10 @@ _GGUF_FAMILY_NAMES = {
     "Phi3ForCausalLM": {"ffn_up.weight": "mlp.gate_up_proj.weight"},
 }
 # a mixture of experts' matrices, every expert's stacked in one tensor: [experts, rows, columns]
+# (and gpt-oss's biases: [experts, rows])
 _GGUF_EXPERT_NAMES = {"ffn_gate_exps.weight": "gate_proj.weight", "ffn_up_exps.weight": "up_proj.weight",
-                      "ffn_down_exps.weight": "down_proj.weight"}
+                      "ffn_down_exps.weight": "down_proj.weight", "ffn_gate_exps.bias": "gate_proj.bias",
+                      "ffn_up_exps.bias": "up_proj.bias", "ffn_down_exps.bias": "down_proj.bias"}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -175,8 +258,8 @@ def _iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, GGUFTensor
     for t in reader.tensors:
         m = _BLOCK.fullmatch(t.name)
         if m and m.group(2) in _GGUF_EXPERT_NAMES:  # each expert's slice, under HF's per-expert names
-            for e in range(int(t.shape[2])):
-                part = _ExpertPart(t.data[e], t.tensor_type, t.shape[:2])
+            for e in range(int(t.shape[-1])):
+                part = _ExpertPart(t.data[e], t.tensor_type, t.shape[:-1])
                 yield f"model.layers.{m.group(1)}.mlp.experts.{e}.{_GGUF_EXPERT_NAMES[m.group(2)]}", GGUFTensor(part)
             continue
         name = gguf_to_hf_name(t.name, config.architecture)
@@ -343,6 +426,22 @@ def _q6_k_scale_zero(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scale, np.zeros_like(scale)
 
 
+# MXFP4's 4-bit values (E2M1) times 2, as int8: every one an integer, so the format is served
+# exactly as 8-bit codes with a power-of-two scale per 32 columns (half its E8M0 exponent's value)
+MXFP4_TWICE = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
+
+
+def mxfp4_scale(exponents: np.ndarray) -> np.ndarray:
+    """2^(e - 128) of each E8M0 exponent byte: the scale of MXFP4_TWICE's codes."""
+    return np.ldexp(np.float32(1), exponents.astype(np.int32) - 128).astype(np.float32)
+
+
+def _mxfp4_scale_zero(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    rows = data.shape[0]
+    scale = mxfp4_scale(data.reshape(rows, -1, 17)[:, :, 0])
+    return scale, np.zeros_like(scale)
+
+
 _BLOCK_LAYOUTS = {
     # Q4_0: d (fp16), 16 bytes of nibbles; w = d * (q - 8)
     "Q4_0": _BlockLayout(4, lambda data: _nibbles(data, 18, 2),
@@ -360,4 +459,7 @@ _BLOCK_LAYOUTS = {
     "Q8_0": _BlockLayout(8, lambda data: data.reshape(data.shape[0], -1, 34)[:, :, 2:].view(np.int8)
                          .reshape(data.shape[0], -1),
                          lambda data: (_fp16_at(data, 34, 0), np.zeros_like(_fp16_at(data, 34, 0)))),
+    # MXFP4 (gpt-oss's experts): an E8M0 exponent byte, 16 bytes of nibbles (as Q4_0's), each an
+    # E2M1 value; served as 8-bit codes MXFP4_TWICE[q] with scale 2^(e - 128)
+    "MXFP4": _BlockLayout(8, lambda data: MXFP4_TWICE[_nibbles(data, 17, 1)], _mxfp4_scale_zero),
 }

@@ -204,12 +204,13 @@ class ModelWorker:
     def _attention_backend(self) -> AttentionBackend:
         name = self.args.attention_backend
         cfg = self.config
-        special = cfg.sliding_window is not None or cfg.attn_softcap is not None  # what triton's kernels lack
+        # what triton's kernels lack
+        special = cfg.sliding_window is not None or cfg.attn_softcap is not None or cfg.attention_sinks
         if name == "auto":
             native = self.quantization.kernels != "none" and self.dtype == torch.float32
             name = ("torch" if special else "triton") if self.device.type == "cuda" else ("native" if native else "torch")
         if name == "triton" and special:
-            raise ValueError(f"--attention-backend triton has no sliding-window or soft-capped attention, which "
+            raise ValueError(f"--attention-backend triton has no sliding-window, soft-capped or sink attention, which "
                              f"{cfg.architecture} uses: choose torch (or native on a CPU)")
         if self.args.deterministic and name != "native":
             from radixlm.runtime.worker.attention.invariant_backend import InvariantAttention

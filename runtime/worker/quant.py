@@ -10,7 +10,8 @@ and takes integer dot products against the codes.
 A GGUF block format that is a scale and zero point per 32 columns serves its own codes, read by
 loader.py: Q4_1 (w = d * q + m), Q4_0 (w = d * q - 8d), Q4_K (w = d * sc * q - dmin * m per
 sub-block of 32), Q5_K (the same with 5-bit codes, served as 8-bit ones), Q8_0 (w = d * q), and
-Q6_K (w = d * sc * q, q in -32..31, a scale per 16 columns: 8-bit codes in groups of 16): all
+Q6_K (w = d * sc * q, q in -32..31, a scale per 16 columns: 8-bit codes in groups of 16), and
+MXFP4 (gpt-oss's experts: w = 2^(e - 128) * q, q twice an E2M1 value, an integer in -12..12): all
 exact, nothing requantized. Everything else (dense
 checkpoints, other GGUF types) is quantized here from its dequantized values when asked:
 int4 by each group's min and max (Q4_1's rule), int8 symmetric per group (Q8_0's).

@@ -202,10 +202,11 @@ def test_rope_store_rotates_in_place_and_writes_the_pool(heads, kv_heads, d):
 
 @settings(max_examples=25, deadline=None)
 @given(rows=st.integers(1, 6), group=st.sampled_from([1, 3]), d=st.sampled_from([16, 64, 24]), seed=st.integers(0, 999),
-       window=st.sampled_from([0, 1, 5, 20]), softcap=st.sampled_from([0.0, 0.5]))
-def test_decode_attention_reads_the_pool_through_the_table(rows, group, d, seed, window, softcap):
+       window=st.sampled_from([0, 1, 5, 20]), softcap=st.sampled_from([0.0, 0.5]), sinks=st.booleans())
+def test_decode_attention_reads_the_pool_through_the_table(rows, group, d, seed, window, softcap, sinks):
     """Each row over its keys (a sliding layer's last `window`; scores soft-capped as Gemma 2's
-    where `softcap`) against the torch reference, on every path this CPU runs."""
+    where `softcap`; a sink logit per head in each softmax as gpt-oss's where `sinks`) against
+    the torch reference, on every path this CPU runs."""
     gen = torch.Generator().manual_seed(seed)
     kv_heads = 2
     heads = kv_heads * group
@@ -214,15 +215,16 @@ def test_decode_attention_reads_the_pool_through_the_table(rows, group, d, seed,
     table_rows = torch.randperm(8, generator=gen)[:rows]
     lens = torch.randint(1, 38, (rows,), generator=gen)
     q = qkv[:, : heads * d]  # strided rows, as the model's qkv holds them
-    want = ref.decode_attention(q, k_pool, v_pool, table, table_rows, lens, 0.125, window, softcap)
+    sink = torch.randn(heads, generator=gen) * 2 if sinks else None
+    want = ref.decode_attention(q, k_pool, v_pool, table, table_rows, lens, 0.125, window, softcap, sink)
     outs = [cpu.decode_attention(q, k_pool, v_pool, table, table_rows, lens, 0.125, isa=i, window=window,
-                                 softcap=softcap) for i in PATHS]
+                                 softcap=softcap, sinks=sink) for i in PATHS]
     for got in outs:
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
     # batch invariance: each row alone gives its row of the batch, bit for bit
     for r in range(rows):
         alone = cpu.decode_attention(q[r : r + 1].clone(), k_pool, v_pool, table, table_rows[r : r + 1],
-                                     lens[r : r + 1], 0.125, window=window, softcap=softcap)
+                                     lens[r : r + 1], 0.125, window=window, softcap=softcap, sinks=sink)
         assert torch.equal(alone, outs[-1][r : r + 1])
 
 

@@ -11,10 +11,11 @@ possibly as decode tokens), its output recomputed as a prompt after a retraction
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import NEW_TOKENS
 from helpers import assert_drained
-from oracle import assert_matches
+from oracle import LOGPROB_TOL, assert_matches, hf_logprobs
 from radixlm.runtime.messages import TokenizedRequest
 from radixlm.runtime.sampling_params import SamplingParams
 
@@ -132,11 +133,13 @@ def test_smollm2_deterministic_is_batch_invariant_and_matches_transformers(smol)
     assert_drained(chunked)
 
 
-@pytest.mark.parametrize("tiny", ["qwen2", "qwen3", "granite", "olmo2", "smollm3", "gemma2", "gemma3"], indirect=True)
+@pytest.mark.parametrize("tiny", ["qwen2", "qwen3", "granite", "olmo2", "smollm3", "gemma2", "gemma3", "gpt_oss", "qwen3_moe"],
+                         indirect=True)
 def test_every_family_batched_and_chunked_is_bitwise_alone(tiny):
     """Each family's variations (biases, q/k norms, post-norms, multipliers, layers without
-    rotary, sliding windows, soft caps) keep the guarantee: one batch with 16-token chunks, against each request alone. (The
-    Llama layer, which Mistral's is, has the tests above.)"""
+    rotary, sliding windows, soft caps, sinks and experts) keep the guarantee: one batch with 16-token chunks, against each request alone. (The
+    Llama layer, which Mistral's is, has the tests above.) Qwen3-MoE's router once ran outside the
+    batch-invariant matmuls: a batch picked other experts than a request alone."""
     prompts = _prompts(tiny)
     engine = tiny.engine(deterministic=True)
     alone_runs = []
@@ -146,3 +149,9 @@ def test_every_family_batched_and_chunked_is_bitwise_alone(tiny):
                                                logprob_start_len=0)))
     batched = tiny.engine(deterministic=True, chunked_prefill_size=16)
     assert _run(batched, prompts, prompt_logprobs=True) == alone_runs
+    # and what they all agree on is the model's: the first request's logprobs against HF's
+    ids, outputs, inputs = alone_runs[0]
+    ref = hf_logprobs(tiny.hf, prompts[0] + ids)
+    want = ref[:-1].gather(1, torch.tensor(prompts[0][1:] + ids)[:, None]).squeeze(1)
+    got = torch.tensor([lp for lp, _, _ in inputs[1:]] + [lp for lp, _, _ in outputs])
+    assert torch.allclose(got, want, atol=LOGPROB_TOL, rtol=0), (tiny.kind, got, want)

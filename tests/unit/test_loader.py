@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -106,6 +108,29 @@ def test_config_from_hf_reads_gemma():
         ModelConfig.from_hf(_hf_config(hidden_act="relu"))
 
 
+def test_config_from_hf_reads_gpt_oss_and_qwen2_moe():
+    """gpt-oss-20b's config.json as released (transformers 4's rope_scaling: YaRN, its ramp unrounded)."""
+    gpt_oss = ModelConfig.from_hf(_hf_config(
+        architectures=["GptOssForCausalLM"], num_hidden_layers=4, head_dim=64, attention_bias=True, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 2, num_local_experts=32, num_experts_per_tok=4,
+        rope_theta=150000, swiglu_limit=7.0, max_position_embeddings=131072, rope_scaling={
+            "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+            "rope_type": "yarn", "truncate": False}))
+    assert [gpt_oss.window(i) for i in range(4)] == [128, None, 128, None]
+    assert gpt_oss.attention_sinks and gpt_oss.output_bias and gpt_oss.attention_bias and not gpt_oss.plain
+    assert (gpt_oss.num_experts, gpt_oss.experts_per_token, gpt_oss.moe_router, gpt_oss.moe_bias) == (32, 4,
+                                                                                                    "topk_softmax", True)
+    assert gpt_oss.hidden_act == "swiglu_clamped" and (gpt_oss.swiglu_alpha, gpt_oss.swiglu_limit) == (1.702, 7.0)
+    yarn = gpt_oss.rope_scaling
+    assert (yarn["rope_type"], yarn["factor"], yarn["truncate"]) == ("yarn", 32.0, False)
+    assert abs(yarn["attention_factor"] - (0.1 * math.log(32) + 1)) < 1e-12
+    qwen2_moe = ModelConfig.from_hf(_hf_config(architectures=["Qwen2MoeForCausalLM"], num_hidden_layers=4,
+                                               num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                               shared_expert_intermediate_size=96, decoder_sparse_step=2))
+    assert qwen2_moe.attention_bias and not qwen2_moe.output_bias and not qwen2_moe.norm_topk_prob  # HF's defaults
+    assert qwen2_moe.shared_expert_size == 96 and qwen2_moe.moe_layers == [False, True, False, True]
+
+
 def test_rope_parameters_of_transformers_v5_are_read():
     cfg = ModelConfig.from_hf(_hf_config(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
                                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -196,3 +221,41 @@ def test_the_fast_gguf_reader_reads_what_ggufs_own_reads():
     assert [(t.name, t.tensor_type, list(t.shape)) for t in ours.tensors] == \
         [(t.name, t.tensor_type, list(t.shape)) for t in theirs.tensors]
     assert all(np.array_equal(np.asarray(a.data), np.asarray(b.data)) for a, b in zip(ours.tensors, theirs.tensors))
+
+
+def test_gpt_oss_mxfp4_experts_read_as_hf_dequantizes_them(tmp_path):
+    """gpt-oss's checkpoints keep each kind of expert matrix stacked in OpenAI's MXFP4 (`_blocks`,
+    `_scales`), gate and up interleaved: each expert's matrices read back as transformers' own
+    converter dequantizes them (de-interleaved, gate first, as [out, in]), and as exact 8-bit codes."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from radixlm.runtime.worker.loader import _iter_safetensors
+
+    gen = torch.Generator().manual_seed(0)
+    experts, hidden, inner = 3, 64, 32
+    tensors = {}
+    for proj, out, cols in (("gate_up_proj", 2 * inner, hidden), ("down_proj", hidden, inner)):
+        tensors[f"model.layers.0.mlp.experts.{proj}_blocks"] = torch.randint(0, 256, (experts, out, cols // 32, 16),
+                                                                             generator=gen, dtype=torch.uint8)
+        tensors[f"model.layers.0.mlp.experts.{proj}_scales"] = torch.randint(118, 130, (experts, out, cols // 32),
+                                                                             generator=gen, dtype=torch.uint8)
+        tensors[f"model.layers.0.mlp.experts.{proj}_bias"] = torch.randn(experts, out, generator=gen)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    got = dict(_iter_safetensors(str(tmp_path)))
+    for proj in ("gate_up_proj", "down_proj"):
+        blocks, scales = (tensors[f"model.layers.0.mlp.experts.{proj}_{k}"] for k in ("blocks", "scales"))
+        want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [experts, in, out]
+        bias = tensors[f"model.layers.0.mlp.experts.{proj}_bias"]
+        for e in range(experts):
+            w, b = want[e].t(), bias[e]
+            if proj == "gate_up_proj":
+                w, b = torch.cat((w[0::2], w[1::2])), torch.cat((b[0::2], b[1::2]))
+            weight = got[f"model.layers.0.mlp.experts.{e}.{proj}.weight"]
+            assert weight.format == "MXFP4" and weight.shape == tuple(w.shape)
+            assert torch.equal(weight.full(), w)
+            codes = weight.row_blocks(0, w.shape[0])
+            assert codes.bits == 8 and torch.equal(codes.dequantize(), w)
+            assert torch.equal(weight.rows(5, 7), w[5:12])
+            assert torch.equal(got[f"model.layers.0.mlp.experts.{e}.{proj}.bias"].full(), b)

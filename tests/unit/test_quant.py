@@ -41,14 +41,15 @@ def _gguf_tensors(tmp_path, kinds: tuple[str, ...], rows: int = 32, cols: int = 
             for t in reader.tensors}
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "MXFP4"])
 def test_gguf_blocks_are_the_files_own_values(tmp_path, kind):
     cols = 512 if kind in K_QUANTS else 128  # a K-quant block spans 256 columns
     raw, dense = _gguf_tensors(tmp_path, (kind,), cols=cols)[kind]
     t = GGUFTensor(raw)
     assert t.has_blocks and t.format == kind
     whole = t.blocks(slice(None), slice(None))
-    bits, group, low, high = {"Q8_0": (8, 32, -128, 127), "Q5_K": (8, 32, 0, 31), "Q6_K": (8, 16, -32, 31)}.get(kind, (4, 32, 0, 15))
+    bits, group, low, high = {"Q8_0": (8, 32, -128, 127), "Q5_K": (8, 32, 0, 31), "Q6_K": (8, 16, -32, 31),
+                              "MXFP4": (8, 32, -12, 12)}.get(kind, (4, 32, 0, 15))
     assert whole.bits == bits and whole.group == group
     assert whole.codes.min() >= low and whole.codes.max() <= high
     assert torch.equal(whole.dequantize(), torch.from_numpy(dense))  # bit for bit gguf's own dequantization
@@ -99,7 +100,7 @@ def test_int4_from_recovers_q4_1_codes(tmp_path):
     assert (again.dequantize() - file.dequantize()).abs().max() < 1e-6
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "MXFP4"])
 def test_gguf_codes_are_served_exactly(tmp_path, kind):
     cols = 512 if kind in K_QUANTS else 128
     raw, dense = _gguf_tensors(tmp_path, (kind,), cols=cols)[kind]
@@ -107,7 +108,7 @@ def test_gguf_codes_are_served_exactly(tmp_path, kind):
     _served_exactly(m, torch.from_numpy(dense))
     # the file's fp16 scales stay fp16 (no bandwidth spent on exact values); Q4_K's products need fp32
     assert m.tiled.half == (kind not in K_QUANTS)
-    assert m.tiled.zero == (kind not in ("Q8_0", "Q6_K")) and m.tiled.group == (16 if kind == "Q6_K" else 32)
+    assert m.tiled.zero == (kind not in ("Q8_0", "Q6_K", "MXFP4")) and m.tiled.group == (16 if kind == "Q6_K" else 32)
     ids = torch.tensor([[0, 7], [31, 7]])
     assert torch.equal(m.embed(ids), torch.from_numpy(dense)[ids])
 

@@ -49,7 +49,7 @@ def test_formats():
     assert not QWEN3.thinking({"enable_thinking": False})
     assert R1.thinking({"enable_thinking": False}), "R1's template always opens the block"
     assert FORMATS["qwen3-thinking"].thinking({"enable_thinking": False})
-    with pytest.raises(ValueError, match="deepseek-r1, qwen3, qwen3-thinking"):
+    with pytest.raises(ValueError, match="deepseek-r1, gpt-oss, qwen3, qwen3-thinking"):
         reasoning_format("nope")
 
 
@@ -254,3 +254,80 @@ def test_choice_stream_reads_calls_from_the_content_only():
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"x": 1}] and stream.called
     first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
     assert all("reasoning_content" not in d for d in deltas[first_content:]), "reasoning comes first"
+
+
+# ---- gpt-oss's harmony messages -----------------------------------------------------------------
+
+GPT_OSS = reasoning_format("gpt-oss")
+# an analysis, a preamble to the user, a call (its recipient after the channel, as gpt-oss writes
+# it, or in the header's first part), the answer; messages ended by <|end|>, <|call|>, <|return|>
+HARMONY_MESSAGES = [
+    "<|channel|>analysis<|message|>User wants weather. Call <tool>.<|end|>",
+    "<|start|>assistant<|channel|>commentary<|message|>Checking <|the|> sky.<|end|>",
+    '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
+    "<|call|>",
+    '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"tz": "CET"}<|call|>',
+    "<|start|>assistant<|channel|>final<|message|>It is 20°C < 25°C, sunny.<|return|>",
+]
+
+
+def _harmony_reference(messages: list[str]) -> Split:
+    """What the messages above mean, written out by hand."""
+    want = {0: ("User wants weather. Call <tool>.", ""), 1: ("", "Checking <|the|> sky."),
+            2: ("", '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'),
+            3: ("", '<tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}</tool_call>'),
+            4: ("", "It is 20°C < 25°C, sunny.")}
+    parts = [want[HARMONY_MESSAGES.index(m)] for m in messages]
+    return Split("".join(r for r, _ in parts), "".join(c for _, c in parts))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.sampled_from(HARMONY_MESSAGES), min_size=1, max_size=5), st.lists(st.integers(0, 400), max_size=8),
+       st.booleans())
+def test_harmony_stream_reads_any_cut_as_the_whole(messages, cuts, stop_trimmed):
+    """Any cut of the deltas (the markers and multi-byte text split anywhere) reads as the whole
+    text does, and as the messages mean; whether the stop token ends the text or was trimmed."""
+    from radixlm.runtime.reasoning import HarmonyStream, split_harmony
+
+    messages = [m.removeprefix("<|start|>assistant") if i == 0 else m for i, m in enumerate(messages)]
+    text = "".join(messages)
+    if stop_trimmed:
+        text = text.removesuffix("<|call|>").removesuffix("<|return|>")
+    want = _harmony_reference([next(h for h in HARMONY_MESSAGES if h.endswith(m)) for m in messages])
+    assert split_harmony(text) == want
+    assert split_reasoning(text, GPT_OSS, True) == want
+    stream, parts = HarmonyStream(), []
+    edges = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    for a, b in zip(edges, edges[1:]):
+        parts.append(stream.feed(text[a:b]))
+    parts.append(stream.finish())
+    assert Split("".join(p.reasoning for p in parts), "".join(p.content for p in parts)) == want
+
+
+def test_harmony_streams_reasoning_as_it_comes_and_reads_calls_through_the_tool_reader():
+    """Through a chat choice's stream: the analysis streams as reasoning before the rest, a call
+    comes out as a call of the request's tools, and a text with no harmony at all is the answer."""
+    reader = ReasoningReader.of(ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}]}), "gpt-oss")
+    stream = ChoiceStream(ToolReader("auto", {"get_weather"}, True), reader)
+    text = "".join(HARMONY_MESSAGES[:3])
+    deltas = [d for i, ch in enumerate(text) for d in stream.feed(ch, finished=i == len(text) - 1)]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "User wants weather. Call <tool>."
+    assert deltas[1] == {"reasoning_content": "s"}, "reasoning goes out as it comes, not held to the end"
+    assert "".join(d.get("content") or "" for d in deltas).strip() == "Checking <|the|> sky."
+    calls = [c for d in deltas for c in d.get("tool_calls", ())]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("get_weather", {"city": "Paris"})] and stream.called
+    from radixlm.runtime.reasoning import split_harmony
+
+    assert split_harmony("plain words") == Split("", "plain words")
+
+
+def test_gpt_oss_requests_keep_special_tokens_and_gate_on_the_final_channel():
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    body = chat_to_generate(req, "", reasoning=GPT_OSS)
+    assert body["sampling_params"]["skip_special_tokens"] is False and body["require_reasoning"] is True
+    asked = req.model_copy(update={"skip_special_tokens": True})
+    assert chat_to_generate(asked, "", reasoning=GPT_OSS)["sampling_params"]["skip_special_tokens"] is True
+    assert "skip_special_tokens" not in chat_to_generate(req, "", reasoning=QWEN3)["sampling_params"]
+    assert GPT_OSS.end == "<|channel|>final<|message|>"  # what a constraint waits for: the answer's body

@@ -38,9 +38,10 @@ void decode_head_portable(const float* q, int64_t head_dim, const KVLayer& kv, i
 void decode_head_avx2(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,
                       int64_t len, float scale, float* scores, float* out);
 
-// decode_head_portable with each score s capped to softcap * tanh(s / softcap) before the softmax.
-void decode_head_capped(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,
-                        int64_t len, float scale, float softcap, float* scores, float* out);
+// decode_head_portable with each score s capped to softcap * tanh(s / softcap) before the softmax
+// (softcap > 0), and `sink` one more logit in the softmax, with no value (-INFINITY: none).
+void decode_head_special(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,
+                         int64_t len, float scale, float softcap, float sink, float* scores, float* out);
 
 // The same for `heads` query heads that share KV head `kv_head` (query g at q + g * head_dim, its
 // output at out + g * head_dim, its scores at scores + g * len), each key and value read once for

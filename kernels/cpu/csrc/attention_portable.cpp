@@ -40,11 +40,12 @@ void rope_store_portable(const TokenLayout& x, const int64_t* positions, const f
 namespace {
 
 // The softmax-weighted values of one query head, scores[0..len) (each key's, already scaled and
-// capped) and their maximum `top` given.
+// capped) and their maximum `top` given; `sink` (no larger than top) one more term of the
+// softmax's sum, with no value (-INFINITY: none).
 void weigh_values(int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots, int64_t len,
-                  float top, float* scores, float* out) {
+                  float top, float* scores, float* out, float sink = -INFINITY) {
   const float* values = kv.v + kv_head * kv.slots * head_dim;
-  float total = 0.0f;
+  float total = sink == -INFINITY ? 0.0f : std::exp(sink - top);
   for (int64_t j = 0; j < len; ++j) {
     scores[j] = std::exp(scores[j] - top);
     total += scores[j];
@@ -66,15 +67,16 @@ float dot(const float* q, const float* key, int64_t head_dim) {
 
 }  // namespace
 
-void decode_head_capped(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,
-                        int64_t len, float scale, float softcap, float* scores, float* out) {
+void decode_head_special(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,
+                         int64_t len, float scale, float softcap, float sink, float* scores, float* out) {
   const float* keys = kv.k + kv_head * kv.slots * head_dim;
-  float top = -INFINITY;
+  float top = sink;
   for (int64_t j = 0; j < len; ++j) {
-    scores[j] = softcap * std::tanh(dot(q, keys + slots[j] * head_dim, head_dim) * scale / softcap);
+    const float s = dot(q, keys + slots[j] * head_dim, head_dim) * scale;
+    scores[j] = softcap > 0 ? softcap * std::tanh(s / softcap) : s;
     top = max_score(top, scores[j]);
   }
-  weigh_values(head_dim, kv, kv_head, slots, len, top, scores, out);
+  weigh_values(head_dim, kv, kv_head, slots, len, top, scores, out, sink);
 }
 
 void decode_head_portable(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,

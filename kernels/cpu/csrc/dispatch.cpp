@@ -1,6 +1,7 @@
 // The ops' thread split and ISA choice (dispatch.h).
 #include "dispatch.h"
 
+#include <cmath>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -140,14 +141,15 @@ void decode_attention_into(const float* q, int64_t q_stride, int64_t heads, int6
   // row r's keys: the last `window` where a sliding layer has one
   auto first_key = [&](int64_t r) { return rows.window > 0 ? std::max<int64_t>(0, rows.seq_lens[r] - rows.window) : 0; };
   const int64_t longest = rows.window > 0 ? std::min(rows.longest, rows.window) : rows.longest;
-  if (rows.softcap > 0) {  // soft-capped scores (Gemma 2): the portable kernel, one task per (row, query head)
+  if (rows.softcap > 0 || rows.sinks) {  // capped scores (Gemma 2), sinks (gpt-oss): the portable kernel, one task per (row, query head)
     at::parallel_for(0, rows.n * heads, 1, [&](int64_t a, int64_t b) {
       std::vector<float> scores(longest);
       for (int64_t task = a; task < b; ++task) {
         const int64_t r = task / heads, h = task % heads, start = first_key(r);
-        decode_head_capped(q + r * q_stride + h * head_dim, head_dim, kv, h / group,
-                           rows.table + rows.rows[r] * rows.table_cols + start, rows.seq_lens[r] - start, scale,
-                           rows.softcap, scores.data(), out + (r * heads + h) * head_dim);
+        decode_head_special(q + r * q_stride + h * head_dim, head_dim, kv, h / group,
+                            rows.table + rows.rows[r] * rows.table_cols + start, rows.seq_lens[r] - start, scale,
+                            rows.softcap, rows.sinks ? rows.sinks[h] : -INFINITY, scores.data(),
+                            out + (r * heads + h) * head_dim);
       }
     });
     return;

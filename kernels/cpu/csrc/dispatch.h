@@ -38,7 +38,8 @@ void rope_store_tokens(const TokenLayout& x, int64_t tokens, const int64_t* posi
 // Attention of n decode rows: row r's query heads at q + r * q_stride, its keys at
 // table[rows[r] * table_cols + j] for j < seq_lens[r] (the last `window` of them where window > 0:
 // a sliding layer's); out [n, heads * head_dim]. softcap > 0: each score s becomes
-// softcap * tanh(s / softcap) before the softmax (Gemma 2).
+// softcap * tanh(s / softcap) before the softmax (Gemma 2). sinks: [heads] logits, each one more
+// term in its head's softmax with no value (gpt-oss), or null.
 struct DecodeRows {
   const int64_t* table;
   int64_t table_cols;
@@ -47,6 +48,7 @@ struct DecodeRows {
   int64_t n, longest;
   int64_t window = 0;
   float softcap = 0.0f;
+  const float* sinks = nullptr;
 };
 void decode_attention_into(const float* q, int64_t q_stride, int64_t heads, int64_t head_dim, const KVLayer& kv,
                            int64_t kv_heads, const DecodeRows& rows, float scale, float* out, Isa isa);

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -216,7 +217,7 @@ void rope_store(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& 
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                             const at::Tensor& table, const at::Tensor& rows, const at::Tensor& seq_lens, double scale,
-                            int64_t isa_level, int64_t window, double softcap) {
+                            int64_t isa_level, int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
   RADIXLM_CHECK(window >= 0 && softcap >= 0, "radixlm: a window and a soft cap are positive (0: none)");
   RADIXLM_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 2 && q.stride(1) == 1,
               "radixlm: q must be a float32 [rows, heads * head_dim] CPU tensor with contiguous rows");
@@ -230,6 +231,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
   DecodeRows dr = decode_rows(table, rows, seq_lens, kv.slots);
   dr.window = window;
   dr.softcap = float(softcap);
+  if (sinks.has_value()) {
+    RADIXLM_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
+                      sinks->size(0) == heads && sinks->is_contiguous(),
+                  "radixlm: sinks must be a contiguous float32 CPU tensor of one logit per query head (", heads, ")");
+    dr.sinks = sinks->data_ptr<float>();
+  }
   RADIXLM_CHECK(dr.n <= q.size(0), "radixlm: more decode rows than q rows");
   at::Tensor out = at::empty({dr.n, heads * d}, q.options());
   decode_attention_into(q.data_ptr<float>(), q.stride(0), heads, d, kv, kv_heads, dr, float(scale), out.data_ptr<float>(),
@@ -253,7 +260,7 @@ TORCH_LIBRARY(radixlm, m) {
   m.def("rope_store(Tensor(a!) qkv, Tensor positions, Tensor cos2, Tensor sin2, Tensor(b!) k_pool, Tensor(c!) v_pool, "
         "Tensor out_slots, int heads, int kv_heads, int isa=-1) -> ()", &rope_store);
   m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, Tensor rows, Tensor seq_lens, "
-        "float scale, int isa=-1, int window=0, float softcap=0.) -> Tensor", &decode_attention);
+        "float scale, int isa=-1, int window=0, float softcap=0., Tensor? sinks=None) -> Tensor", &decode_attention);
 }
 
 }  // namespace radixlm

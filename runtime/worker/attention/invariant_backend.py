@@ -7,7 +7,8 @@ the pool in blocks of KEY_BLOCK keys. The arithmetic has one shape whatever the 
 (query, KV head, block) is a [group, d] x [d, KEY_BLOCK] product; the softmax's max is exact;
 the block sums are accumulated in block order by `cumsum`, so the all-masked blocks that pad a
 short context to its slice's longest add exact zeros (as do the blocks a sliding layer's window
-has left behind: its mask also hides keys a window or more behind the query). Costlier than the default backend (keys
+has left behind: its mask also hides keys a window or more behind the query; a sink, gpt-oss's
+per-head logit, joins the max and the sum). Costlier than the default backend (keys
 are gathered per query, not per request; no shared-prefix pass); `benchmarks/step_cost.py`
 prints what it costs.
 """
@@ -50,7 +51,8 @@ class InvariantAttention(AttentionBackend):
         fb.attn_meta = InvariantMeta(slots, visible, blocks, positions)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
-                fb: ForwardBatch, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                fb: ForwardBatch, window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         fb.kv_pool.store(layer, fb.out_slots, k, v)
         meta: InvariantMeta = fb.attn_meta
         if window is not None:  # a sliding layer: the same keys, those a window behind hidden too
@@ -64,6 +66,7 @@ class InvariantAttention(AttentionBackend):
         kv_heads = k_pool.shape[1]
         group = heads // kv_heads
         qg = q.float().view(tokens, kv_heads, 1, group, dim) * scale
+        sink = None if sinks is None else sinks.float().view(1, kv_heads, 1, group, 1)
         out = torch.empty(tokens, kv_heads, group, dim, dtype=torch.float32, device=q.device)
         for i, blocks in enumerate(meta.blocks):
             part = slice(i * QUERY_SLICE, (i + 1) * QUERY_SLICE)
@@ -78,8 +81,12 @@ class InvariantAttention(AttentionBackend):
             scores = soft_cap(scores, softcap)
             scores = scores.masked_fill_(~visible.view(n, 1, blocks, 1, KEY_BLOCK), float("-inf"))
             top = scores.amax(dim=(2, 4), keepdim=True)  # exact: the same whatever the padding
+            if sink is not None:  # gpt-oss: one more logit in the softmax, with no value
+                top = torch.maximum(top, sink)
             p = torch.exp(scores - top)
             norm = p.sum(-1).cumsum(2)[:, :, -1]  # [n, kv_heads, group], block by block in order
+            if sink is not None:
+                norm = norm + torch.exp(sink - top).view(n, kv_heads, group)
             acc = torch.bmm(p.view(-1, group, KEY_BLOCK), values.contiguous().view(-1, KEY_BLOCK, dim))
             acc = acc.view(n, kv_heads, blocks, group, dim).cumsum(2)[:, :, -1]  # [n, kv_heads, group, d]
             out[part] = acc / norm[..., None]

@@ -7,7 +7,7 @@ heads over their keys read in place through the token table, no gather, no paddi
 matmuls, not the call count. Models with q/k norms (Qwen3) rotate in the model and call
 `forward`, which stores with torch and attends the same way. Sliding layers pass their window to
 the decode kernel (each row's last `window` keys) and get their own extend plan; soft-capped
-scores (Gemma 2) are capped in the kernel too.
+scores (Gemma 2) are capped in the kernel too, and gpt-oss's sinks join its softmax there.
 
 `invariant` (--deterministic): every token, decode or prefill, is one query of the same
 kernel over its keys up to its own position, so a token's attention is bitwise the same
@@ -51,30 +51,33 @@ class NativeAttention(TorchAttention):
 
     def forward_qkv(self, qkv: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, heads: int, kv_heads: int,
                     layer: int, scale: float, fb: ForwardBatch, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         k_pool, v_pool = fb.kv_pool.k_heads[layer], fb.kv_pool.v_heads[layer]
         self._rope_store(qkv, fb.positions, cos2, sin2, k_pool, v_pool, fb.out_slots, heads, kv_heads, -1)
         dim = k_pool.shape[2]
-        return self._attend(qkv[:, : heads * dim], k_pool, v_pool, scale, fb, window, softcap)
+        return self._attend(qkv[:, : heads * dim], k_pool, v_pool, scale, fb, window, softcap, sinks)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
-                fb: ForwardBatch, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                fb: ForwardBatch, window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         fb.kv_pool.store(layer, fb.out_slots, k, v)
         k_pool, v_pool = fb.kv_pool.k_heads[layer], fb.kv_pool.v_heads[layer]
         heads, dim = q.shape[1], q.shape[2]
-        return self._attend(q.reshape(-1, heads * dim), k_pool, v_pool, scale, fb, window, softcap).view(-1, heads, dim)
+        out = self._attend(q.reshape(-1, heads * dim), k_pool, v_pool, scale, fb, window, softcap, sinks)
+        return out.view(-1, heads, dim)
 
     def _attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float,
-                fb: ForwardBatch, window: int | None, softcap: float | None) -> torch.Tensor:
+                fb: ForwardBatch, window: int | None, softcap: float | None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, heads * d] (rows may be strided) -> [T, heads * d]."""
         meta = fb.attn_meta
         table = fb.req_to_token.table
         w, cap = window or 0, softcap or 0.0
         if isinstance(meta, InvariantMeta):
-            return self._decode(q, k_pool, v_pool, table, meta.rows, meta.lens, scale, -1, w, cap)
+            return self._decode(q, k_pool, v_pool, table, meta.rows, meta.lens, scale, -1, w, cap, sinks)
         d = meta.num_decode
         if not meta.extend:
-            return self._decode(q, k_pool, v_pool, table, fb.req_rows, fb.seq_lens, scale, -1, w, cap)
+            return self._decode(q, k_pool, v_pool, table, fb.req_rows, fb.seq_lens, scale, -1, w, cap, sinks)
         if window is not None:
             if window not in fb.window_meta:
                 heads = k_pool.shape[0], fb.kv_pool.num_slots
@@ -85,7 +88,8 @@ class NativeAttention(TorchAttention):
         dim = k_pool.shape[2]
         out = q.new_empty(q.shape[0], q.shape[1])
         if d:
-            out[:d] = self._decode(q, k_pool, v_pool, table, fb.req_rows[:d], fb.seq_lens[:d], scale, -1, w, cap)
+            out[:d] = self._decode(q, k_pool, v_pool, table, fb.req_rows[:d], fb.seq_lens[:d], scale, -1, w, cap,
+                                   sinks)
         q3 = q.reshape(q.shape[0], -1, dim)
-        extend_attention(q3, k_pool, v_pool, scale, extend, out.view(q.shape[0], -1, dim), softcap)
+        extend_attention(q3, k_pool, v_pool, scale, extend, out.view(q.shape[0], -1, dim), softcap, sinks)
         return out

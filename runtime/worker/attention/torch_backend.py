@@ -23,8 +23,9 @@ chosen the same way, each padded to its own longest query and context.
 Sliding layers (Gemma, Mistral) get their own plan, built at the first such layer of a step and
 kept in fb.window_meta: a decode row's keys start `window` before its end (no shared-prefix pass:
 a prefix leaves every long row's window), an extend row's mask also hides keys a window or more
-behind each query. Soft-capped scores (Gemma 2) take the same steps in plain ops, as torch's
-fused attention has no cap.
+behind each query. Soft-capped scores (Gemma 2) and sinks (gpt-oss: a logit per head in every
+softmax's denominator) take the same steps in plain ops, as torch's fused attention has neither;
+under the cascade a sink rescales each merged row by its share, sigmoid(lse - sink).
 """
 
 from __future__ import annotations
@@ -96,27 +97,28 @@ class TorchAttention(AttentionBackend):
         return fb.window_meta[window]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
-                fb: ForwardBatch, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                fb: ForwardBatch, window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         fb.kv_pool.store(layer, fb.out_slots, k, v)
         meta: TorchAttnMeta = fb.attn_meta if window is None else self._window_meta(fb, window)
         k_pool, v_pool = fb.kv_pool.k_heads[layer], fb.kv_pool.v_heads[layer]
         d = meta.num_decode
         if not meta.extend:
-            return _decode(q, k_pool, v_pool, scale, meta, softcap)
+            return _decode(q, k_pool, v_pool, scale, meta, softcap, sinks)
         out = torch.empty_like(q)
         if d:
-            out[:d] = _decode(q[:d], k_pool, v_pool, scale, meta, softcap)
-        extend_attention(q, k_pool, v_pool, scale, meta.extend, out, softcap)
+            out[:d] = _decode(q[:d], k_pool, v_pool, scale, meta, softcap, sinks)
+        extend_attention(q, k_pool, v_pool, scale, meta.extend, out, softcap, sinks)
         return out
 
 
 def attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
-           softcap: float | None = None) -> torch.Tensor:
+           softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of [b, heads, Q, d] queries over [b, kv_heads, K, d] keys (mask: True where
     allowed, broadcast to [b, heads, Q, K]): torch's fused attention, or with soft-capped scores
-    the same steps in plain ops."""
+    or sinks ([heads]: one more logit in each softmax, with no value) the same steps in plain ops."""
     gqa = queries.shape[1] != keys.shape[1]
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
     if gqa:
         group = queries.shape[1] // keys.shape[1]
@@ -124,11 +126,17 @@ def attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask
     scores = soft_cap(torch.matmul(queries, keys.transpose(-1, -2)) * scale, softcap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), values)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), values)
+    b, heads, q_len, _ = scores.shape
+    sink = sinks.to(scores.dtype).view(1, heads, 1, 1).expand(b, heads, q_len, 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, values)
 
 
 def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float,
-                     buckets: list[ExtendBucket], out: torch.Tensor, softcap: float | None = None) -> None:
+                     buckets: list[ExtendBucket], out: torch.Tensor, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> None:
     """The extend rows' attention (their K/V already in the pool), into out [T, heads, d]: torch's
     fused attention per length bucket, causal within the new tokens."""
     heads, dim = q.shape[1], q.shape[2]
@@ -139,17 +147,17 @@ def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         padded = q.new_zeros(rows * b.max_query, heads, dim)
         padded[b.query_dest] = q[b.tokens]
         queries = padded.view(rows, b.max_query, heads, dim).transpose(1, 2)
-        o = attend(queries, keys, values, b.mask, scale, softcap)
+        o = attend(queries, keys, values, b.mask, scale, softcap, sinks)
         out[b.tokens] = o.transpose(1, 2).reshape(-1, heads, dim)[b.query_dest]
 
 
 def _decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float,
-            meta: TorchAttnMeta, softcap: float | None = None) -> torch.Tensor:
+            meta: TorchAttnMeta, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [D, heads, d]: each decode row's one query over its whole context. The pools are
     head-major [kv_heads, slots, d]; every product below is a bmm over (KV head, row) pairs
     that reads the gathered keys as they lie."""
     if not meta.shared:
-        return _decode_own(q, k_pool, v_pool, scale, meta.decode, softcap)
+        return _decode_own(q, k_pool, v_pool, scale, meta.decode, softcap, sinks)
     rows, heads, dim = q.shape
     kv_heads = k_pool.shape[0]
     group = heads // kv_heads
@@ -183,6 +191,9 @@ def _decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: 
         top = torch.maximum(own_lse, m)
         w_own, w_shared = torch.exp(own_lse - top), torch.exp(m - top) * l
         out[:, s.rows] = (out[:, s.rows] * w_own + o * w_shared) / (w_own + w_shared)
+        lse[:, s.rows] = top + torch.log(w_own + w_shared)
+    if sinks is not None:  # each row's output scaled by the share of its softmax the keys hold
+        out *= torch.sigmoid(lse - sinks.float().view(kv_heads, 1, group, 1))
     return out.transpose(0, 1).reshape(rows, heads, dim).to(q.dtype)
 
 
@@ -192,7 +203,8 @@ def soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
 
 
 def _decode_own(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float,
-                buckets: list[DecodeBucket], softcap: float | None = None) -> torch.Tensor:
+                buckets: list[DecodeBucket], softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode rows in no shared group: torch's fused attention per bucket, on keys gathered
     once (or, for a lone row whose slots are consecutive, on a view of the pool: no copy)."""
     rows, heads, dim = q.shape
@@ -207,7 +219,7 @@ def _decode_own(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, sca
             values = gather_heads(v_pool, b.index, b.kv_slots.shape).transpose(0, 1)
         queries = (q if out is None else q[b.rows]).view(n, heads, 1, dim)
         mask = None if b.mask is None else b.mask[:, None]
-        o = attend(queries, keys, values, mask, scale, softcap).view(n, heads, dim)
+        o = attend(queries, keys, values, mask, scale, softcap, sinks).view(n, heads, dim)
         if out is None:
             return o
         out[b.rows] = o

@@ -43,9 +43,10 @@ class TritonAttention(AttentionBackend):
         fb.attn_meta = None  # the kernels read the batch's own tensors
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
-                fb: ForwardBatch, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        if window is not None or softcap is not None:
-            raise NotImplementedError("the triton attention backend has no sliding window or soft cap")
+                fb: ForwardBatch, window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if window is not None or softcap is not None or sinks is not None:
+            raise NotImplementedError("the triton attention backend has no sliding window, soft cap or sinks")
         k_cache, v_cache = fb.kv_pool.k[layer], fb.kv_pool.v[layer]
         k, v = k.contiguous(), v.contiguous()
         self._store(k_cache, v_cache, fb.out_slots, k, v)

@@ -25,10 +25,10 @@ from radixlm.runtime.worker.layers import (
     MergedColumnLinear,
     RMSNorm,
     RotaryEmbedding,
-    GeluTanhMul,
     RowParallelLinear,
-    SiluMul,
     VocabParallelEmbedding,
+    _param,
+    activation,
 )
 from radixlm.runtime.model_config import ModelConfig
 from radixlm.runtime.worker.loader import Weight
@@ -57,7 +57,10 @@ class Attention(nn.Module):
         kv = (self.num_kv_heads * d, first_kv * d)
         self.qkv_proj = MergedColumnLinear(cfg.hidden_size, [*MergedColumnLinear.even(tp, [q_size]), kv, kv],
                                            cfg.attention_bias, [q_size, cfg.num_kv_heads * d, cfg.num_kv_heads * d])
-        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, tp)
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, tp, cfg.output_bias)
+        # gpt-oss's sinks: one logit per query head (this rank's heads)
+        self.sinks = _param((self.num_heads,), self._load_sinks) if cfg.attention_sinks else None
+        self.tp_rank = tp.rank
         self.rotary = rotary
         self.qk_norm = cfg.qk_norm
         norm_dims = {"head": (d, d), "projection": (q_size, cfg.num_kv_heads * d)}.get(cfg.qk_norm)
@@ -71,7 +74,7 @@ class Attention(nn.Module):
             # rotary, the K/V store and attention in two calls
             out = fb.attn_backend.forward_qkv(qkv, self.rotary.cos2, self.rotary.sin2, self.num_heads,
                                               self.num_kv_heads, self.layer_id, self.scale, fb, self.window,
-                                              self.softcap)
+                                              self.softcap, self.sinks)
             return self.o_proj(out)
         v = qkv[:, q_len + kv_len:].view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is None and self.use_rope:  # q and k side by side: one rotation for both
@@ -86,8 +89,11 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             if self.use_rope:
                 q, k = self.rotary.rotate(q, *rope), self.rotary.rotate(k, *rope)
-        out = fb.attn_backend.forward(q, k, v, self.layer_id, self.scale, fb, self.window, self.softcap)
+        out = fb.attn_backend.forward(q, k, v, self.layer_id, self.scale, fb, self.window, self.softcap, self.sinks)
         return self.o_proj(out.reshape(-1, q_len))
+
+    def _load_sinks(self, param: nn.Parameter, loaded: Weight, shard: int = 0) -> None:
+        param.data.copy_(loaded.full()[self.tp_rank * self.num_heads : (self.tp_rank + 1) * self.num_heads])
 
 
 class MLP(nn.Module):
@@ -96,7 +102,7 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnLinear(cfg.hidden_size, MergedColumnLinear.even(tp, [cfg.intermediate_size] * 2),
                                                False, [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
-        self.act = GeluTanhMul() if cfg.hidden_act == "gelu_tanh" else SiluMul()
+        self.act = activation(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -234,6 +240,8 @@ class LlamaForCausalLM(nn.Module):
         having fused them as we do)."""
         if ".qkv_proj." in name or ".gate_up_proj." in name:
             return name, None
+        if ".mlp.router." in name:  # gpt-oss's router
+            name = name.replace(".mlp.router.", ".mlp.gate.")
         if "block_sparse_moe." in name:
             for old, new in _MIXTRAL_NAMES.items():
                 name = name.replace(old, new)
@@ -256,4 +264,6 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,
+    "GptOssForCausalLM": LlamaForCausalLM,
 }
