@@ -89,13 +89,13 @@ class RuntimeClient:
     async def abort(self, rid: str) -> None:
         await self.sock.send(ipc.encode(AbortRequest(rid)))
 
-    async def control(self, op: str) -> dict[str, Any]:
+    async def control(self, op: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
         self._ensure_reader()
         rid = f"control-{uuid.uuid4().hex}"
         queue: asyncio.Queue = asyncio.Queue()
         self._waiters[rid] = queue
         try:
-            await self.sock.send(ipc.encode(ControlRequest(rid, op)))
+            await self.sock.send(ipc.encode(ControlRequest(rid, op, args)))
             out: ControlOutput = await queue.get()
             return out.data
         finally:

@@ -41,10 +41,12 @@ class AbortRequest:
 
 @dataclass
 class ControlRequest:
-    """Server-wide operations: flush_cache, server_info, model_info."""
+    """Server-wide operations: flush_cache, server_info, model_info; tokenize and detokenize
+    (answered by the tokenizer process, `args` their input)."""
 
     rid: str
     op: str
+    args: dict[str, Any] | None = None
 
 
 # ---- to clients (from the tokenizer process) ---------------------------------------------------

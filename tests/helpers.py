@@ -24,3 +24,18 @@ def assert_drained(engine) -> None:
     kv = sched.kv
     assert kv.cache.locked_pages == 0, f"{kv.cache.locked_pages} pages still locked"
     assert kv.allocator.num_free_pages + kv.cache.evictable_pages == kv.num_pages
+
+
+def anthropic_event(data: str):
+    """One streamed Messages API event (its JSON data), validated by the `anthropic` SDK's models: a
+    ping is the bare {"type": "ping"} the SDK skips (returned as a dict), an error event the SDK's
+    error response."""
+    from anthropic.types import ErrorResponse, RawMessageStreamEvent
+    from pydantic import TypeAdapter
+
+    if '"type":"ping"' in data:
+        assert data == '{"type":"ping"}'
+        return {"type": "ping"}
+    if data.startswith('{"type":"error"'):
+        return ErrorResponse.model_validate_json(data)
+    return TypeAdapter(RawMessageStreamEvent).validate_json(data)

@@ -49,7 +49,7 @@ class Guard:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         refusal = self._refusal(scope) if scope["type"] == "http" else None
         if refusal is not None:
-            await error_response(*refusal)(scope, receive, send)
+            await error_response(*refusal, path=scope["path"])(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -60,8 +60,10 @@ class Guard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if self.api_key and not self._open(scope["path"]):
             scheme, _, token = headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-                return "missing or wrong API key: send the header 'Authorization: Bearer <key>'", 401
+            if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+                token = headers.get("x-api-key", "")
+            if not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+                return "missing or wrong API key: send the header 'Authorization: Bearer <key>' (or x-api-key)", 401
         if scope["method"] in ("POST", "PUT", "PATCH"):
             length = headers.get("content-length")
             if length is None:
@@ -73,8 +75,16 @@ class Guard:
         return None
 
 
-def error_response(message: str, status: int = 400) -> JSONResponse:
-    """Errors in OpenAI's shape on every endpoint (native ones too)."""
+ANTHROPIC_PATHS = "/v1/messages"  # Anthropic's Messages API: its own error shape
+
+
+def error_response(message: str, status: int = 400, path: str = "") -> JSONResponse:
+    """Errors in OpenAI's shape on every endpoint (native ones too), but in Anthropic's under
+    `ANTHROPIC_PATHS` (`path`: the request's)."""
+    if path.startswith(ANTHROPIC_PATHS):
+        from radixlm.runtime.server.anthropic_protocol import error_body
+
+        return JSONResponse(error_body(message, status), status_code=status)
     kind = "invalid_request_error" if status < 500 else "server_error"
     if status == 404:
         kind = "not_found_error"

@@ -24,6 +24,9 @@ from radixlm.runtime.server.http_common import (
 from radixlm.runtime.server.openai_api import add_openai_routes
 from radixlm.runtime.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from radixlm.runtime.server.responses_api import add_responses_routes
+from radixlm.runtime.server.anthropic_api import add_anthropic_routes
+from radixlm.runtime.server.anthropic_protocol import CountTokensRequest, MessagesRequest
+from radixlm.runtime.server.tokenize_api import DETOKENIZE_BODY, TOKENIZE_BODY, add_tokenize_routes
 from radixlm.runtime.server.responses_protocol import ResponsesRequest
 from radixlm.runtime.server.server_state import ServerState, gather_outputs, merge_streams
 from radixlm.runtime.server.sse import sse, sse_response
@@ -45,30 +48,30 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
         add_webui(app)
 
     @app.exception_handler(HTTPError)
-    async def _http_error(_: Request, e: HTTPError) -> JSONResponse:
-        return error_response(str(e), e.status)
+    async def _http_error(request: Request, e: HTTPError) -> JSONResponse:
+        return error_response(str(e), e.status, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _routing_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         """An unknown path (404) or method (405), in OpenAI's error shape as every other error."""
-        response = error_response(f"{e.detail}: {request.method} {request.url.path}", e.status_code)
+        response = error_response(f"{e.detail}: {request.method} {request.url.path}", e.status_code, request.url.path)
         response.headers.update(e.headers or {})  # a 405's Allow
         return response
 
     @app.exception_handler(BadRequest)
-    async def _bad_request(_: Request, e: BadRequest) -> JSONResponse:
-        return error_response(str(e), 400)
+    async def _bad_request(request: Request, e: BadRequest) -> JSONResponse:
+        return error_response(str(e), 400, request.url.path)
 
     @app.exception_handler(RequestFailed)
-    async def _refused(_: Request, e: RequestFailed) -> JSONResponse:
-        response = error_response(str(e), e.status)
+    async def _refused(request: Request, e: RequestFailed) -> JSONResponse:
+        response = error_response(str(e), e.status, request.url.path)
         if e.status == 503:  # full: tell clients (the OpenAI SDK among them) when to retry
             response.headers["Retry-After"] = "1"
         return response
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> JSONResponse:
-        return error_response(internal_error(e, f"{request.method} {request.url.path}"), 500)
+        return error_response(internal_error(e, f"{request.method} {request.url.path}"), 500, request.url.path)
 
     @app.get("/health")
     async def health() -> Response:
@@ -155,6 +158,8 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
 
     add_openai_routes(app, state)
     add_responses_routes(app, state)
+    add_anthropic_routes(app, state)
+    add_tokenize_routes(app, state)
     document_bodies(app, {
         "/generate": GENERATE_BODY_SCHEMA,
         "/abort_request": {"type": "object", "properties": {"rid": {"type": "string"}}, "required": ["rid"]},
@@ -163,6 +168,10 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
         "/v1/completions": CompletionRequest,
         "/v1/chat/completions": ChatCompletionRequest,
         "/v1/responses": ResponsesRequest,
+        "/v1/messages": MessagesRequest,
+        "/v1/messages/count_tokens": CountTokensRequest,
+        "/tokenize": TOKENIZE_BODY,
+        "/detokenize": DETOKENIZE_BODY,
     })
     return app
 

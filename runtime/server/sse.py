@@ -25,17 +25,18 @@ def error_event(message: str, status: int) -> bytes:
     return sse({"error": {"message": message, "code": status}}) + b"data: [DONE]\n\n"
 
 
-async def sse_response(chunks: AsyncIterator[bytes],
-                       fail: Callable[[str, int], bytes] = error_event) -> Response:
+async def sse_response(chunks: AsyncIterator[bytes], fail: Callable[[str, int], bytes] = error_event,
+                       refuse: Callable[[str, int], Response] = error_response) -> Response:
     """Stream server-sent events. The first chunk is awaited here, so a refused request
     (bad input) gets a plain 4xx response instead of an event stream. After that, an exception
     ends the stream with ``fail(message, status)``: a refusal or an abort with its own message,
-    anything else as an internal error, logged with an id the message names."""
+    anything else as an internal error, logged with an id the message names. `refuse` makes the
+    plain error response (the protocol's shape)."""
     it = chunks.__aiter__()
     try:
         first = await it.__anext__()
     except (RequestFailed, HTTPError) as e:
-        return error_response(str(e), e.status)
+        return refuse(str(e), e.status)
 
     async def body() -> AsyncIterator[bytes]:
         yield first

@@ -167,6 +167,9 @@ class TokenizerManager:
         self._reply(group.client, ClientOutput(group.rid, text, [], meta, True))
 
     def _control(self, client: bytes, msg: ControlRequest) -> None:
+        if msg.op in ("tokenize", "detokenize"):
+            self._reply(client, ControlOutput(msg.rid, self._tokens(msg.op, msg.args or {})))
+            return
         if msg.op == "model_info":
             self._reply(client, ControlOutput(msg.rid, {
                 "model_path": self.args.model_path or self.model_name, "is_generation": True,
@@ -176,6 +179,38 @@ class TokenizerManager:
             return
         self.pending_control[msg.rid] = client
         self.to_scheduler.send(ipc.encode(msg))
+
+    def _tokens(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """/tokenize, /detokenize and the Messages API's count_tokens, answered here (the tokenizer
+        is this process's): `text` (with `add_special_tokens`) or chat `messages` (with `tools`
+        and `chat_template_kwargs`, rendered as a chat request's prompt is) -> `input_ids`; `ids`
+        -> `text`; with `pieces`, each token's own string too. A bad input: `error`, `status`."""
+        if self.tokenizer is None:
+            return {"error": "this server has no tokenizer (--skip-tokenizer-init)", "status": 400}
+        try:
+            if op == "detokenize":
+                ids = args.get("ids")
+                if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise BadRequest("tokens must be a list of integers")
+                if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+                    raise BadRequest(f"tokens must lie in [0, {self.vocab_size})")
+                out: dict[str, Any] = {"text": self.tokenizer.decode(ids, skip_special_tokens=False)}
+            else:
+                if args.get("messages") is not None:
+                    text = self.prep.chat_prompt(GenerateRequest("tokenize", messages=args["messages"],
+                                                                 tools=args.get("tools"),
+                                                                 chat_template_kwargs=args.get("chat_template_kwargs")))
+                    ids = self.tokenizer.encode(text, add_special_tokens=False)  # (the template writes them)
+                elif isinstance(args.get("text"), str):
+                    ids = self.tokenizer.encode(args["text"], add_special_tokens=bool(args.get("add_special_tokens")))
+                else:
+                    raise BadRequest("give a prompt (a string) or messages to tokenize")
+                out = {"input_ids": list(ids)}
+            if args.get("pieces"):
+                out["pieces"] = self.tokenizer.convert_ids_to_tokens(out.get("input_ids", args.get("ids")))
+            return out
+        except BadRequest as e:
+            return {"error": str(e), "status": 400}
 
     def _reply(self, client: bytes, msg: Any) -> None:
         self.clients.send_multipart([client, ipc.encode(msg)])

@@ -60,7 +60,7 @@ class Plan:
     params: dict
     n: int
     stream: bool
-    api: str  # "native", "chat", "responses"
+    api: str  # "native", "chat", "responses", "messages" (Anthropic's)
     fate: str  # "wait", "abort" (POST /abort_request), "disconnect" (the client goes mid-request)
     head: int | None = None  # index of a LONG head before the prompt
 
@@ -71,6 +71,11 @@ class Plan:
     def body(self, rid: str) -> tuple[str, dict]:
         params = {"max_new_tokens": 4, **self.params}
         text = ("" if self.head is None else LONG[self.head] + "\n") + "Say something."
+        if self.api == "messages":  # (good plans only: plain sampling fields, one sample)
+            body = {"model": "default", "messages": [{"role": "user", "content": text}], "stream": self.stream,
+                    "max_tokens": params.pop("max_new_tokens")}
+            body.update({k: v for k, v in params.items() if k != "seed"})
+            return "/v1/messages", body
         if self.api == "responses":  # (good plans only: plain sampling fields, one sample)
             body = {"model": "default", "input": text, "stream": self.stream,
                     "max_output_tokens": params.pop("max_new_tokens")}
@@ -109,12 +114,12 @@ def _plans() -> st.SearchStrategy[Plan]:
         return st.tuples(sampling, extra).map(lambda t: {**t[0], **t[1]})
 
     def plan(k: str) -> st.SearchStrategy[Plan]:
-        api = st.sampled_from({"good": ["native", "chat", "responses"], "bad-constraint": ["native", "chat"]}
+        api = st.sampled_from({"good": ["native", "chat", "responses", "messages"], "bad-constraint": ["native", "chat"]}
                               .get(k, ["native"]))
         head = st.none() | st.integers(0, len(LONG) - 1) if k != "fault" else st.none()
 
         def build(api_: str) -> st.SearchStrategy[Plan]:
-            n = st.just(1) if api_ == "responses" else st.integers(1, 3)  # (the Responses API has no n)
+            n = st.just(1) if api_ in ("responses", "messages") else st.integers(1, 3)  # (those APIs have no n)
             return st.builds(Plan, kind=st.just(k), params=params_for(k), n=n, stream=st.booleans(), api=st.just(api_),
                              fate=st.sampled_from(["wait", "wait", "wait", "abort", "disconnect"]), head=head)
 
@@ -143,7 +148,7 @@ async def _send(client: httpx.AsyncClient, plan: Plan, rid: str) -> tuple[int, l
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
-            if plan.api == "responses":  # no [DONE]: the last event is the response's end
+            if plan.api in ("responses", "messages"):  # no [DONE]: the last event is the response's end
                 assert done == 0, f"an event after the response ended: {line}"
                 events.append(json.loads(line[6:]))
                 done += events[-1]["type"] in RESPONSE_ENDS
@@ -173,12 +178,15 @@ async def _abort_soon(client: httpx.AsyncClient, rid: str) -> None:
     await client.post("/abort_request", json={"rid": rid}, timeout=TIMEOUT)
 
 
-RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed")
+RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed", "message_stop", "error")
+# an Anthropic error event's type -> the status it stands for
+ANTHROPIC_ERRORS = {"invalid_request_error": 400, "not_found_error": 404, "overloaded_error": 503}
 
 
 def _stream_error(events: list[dict]) -> int | None:
-    codes = [e["error"]["code"] for e in events if "error" in e]
+    codes = [e["error"]["code"] for e in events if "error" in e and "code" in e["error"]]
     codes += [500 for e in events if e.get("type") == "response.failed"]
+    codes += [ANTHROPIC_ERRORS.get(e["error"]["type"], 500) for e in events if e.get("type") == "error"]
     return codes[0] if codes else None
 
 
@@ -234,6 +242,9 @@ def test_sets_of_concurrent_requests_leave_the_server_serving(fuzz_server, plans
         assert got < 500 or faulted, f"a 5xx without an injected fault: {plan} {answer[-1:]}"
         if got == 200 and plan.api == "responses" and not plan.stream:
             assert answer[0]["status"] in ("completed", "incomplete"), answer
+        if got == 200 and plan.api == "messages":
+            final = answer[-1] if plan.stream else answer[0]
+            assert final["type"] == ("message_stop" if plan.stream else "message"), answer[-2:]
         if got == 200 and not plan.stream and not plan.openai:
             outs = answer[0] if isinstance(answer[0], list) else [answer[0]]
             assert len(outs) == plan.n, f"{plan}: {len(outs)} results for n={plan.n}"
