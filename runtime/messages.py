@@ -32,6 +32,7 @@ class GenerateRequest:
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False  # logprob entries become [logprob, id, text]
     stream: bool = False
+    embed: str | None = None  # "last" or "mean": the prompt's final hidden states pooled (/encode), no output
 
 
 @dataclass
@@ -94,6 +95,7 @@ class TokenizedRequest:
     # (kind, text) of the constraint the scheduler compiles and enforces (constrained.grammar's
     # constraint_key of sampling_params) or None: worked out once, by prepare, and carried
     constraint: tuple[str, str] | None = CONSTRAINT_NOT_GIVEN
+    embed: str | None = None  # the prompt's hidden states pooled ("last", "mean") instead of an output
 
     def __post_init__(self) -> None:
         if isinstance(self.constraint, list):  # JSON has no tuples (ipc); a key must be hashable
@@ -127,6 +129,7 @@ class TokenOutput:
     # prompt logprobs come once, with the first output after the prefill
     input_logprobs: list[float | None] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's pooled hidden state, at its end
 
     @property
     def finished(self) -> bool:

@@ -36,6 +36,7 @@ class ScheduledBatch:
     sampled: list[Req]  # requests that get a new token from this step, in packed order
     sample_counts: list[int]  # per sampled request, its sample rows: 1, or 1 + its drafts (a verify row)
     logprob_spans: list[tuple[Req, int, int]]  # (req, first prompt position, count) of prompt logprobs computed
+    embed_spans: list[tuple[Req, int, int]] = field(default_factory=list)  # (req, first position, count) pooled
     new_pages: torch.Tensor | None = None  # the pages this step took, once it took them
     sampling: SamplingBatch | None = field(default=None, repr=False)
 
@@ -55,7 +56,7 @@ def make_batch(running: list[Req], prefill: list[Req], prefill_lens: list[int]) 
     reqs = [r for r, _ in packed]
     lens = [n for _, n in packed]
     prefilling = {id(r) for r in prefill}
-    sampled, counts, spans = [], [], []
+    sampled, counts, spans, embeds = [], [], [], []
     for req, n in packed:
         if id(req) not in prefilling:  # running: its tokens end the sequence, its prompt logprobs are done
             sampled.append(req)
@@ -67,8 +68,12 @@ def make_batch(running: list[Req], prefill: list[Req], prefill_lens: list[int]) 
         span = _logprob_span(req, n)
         if span is not None:
             spans.append(span)
+        if req.embed == "mean":  # every prompt position of the chunk
+            embeds.append((req, req.cached_len, n))
+        elif req.embed == "last" and req.cached_len + n == req.prompt_len:  # the chunk that holds the last
+            embeds.append((req, req.prompt_len - 1, 1))
     num_decode = sum(1 for n in lens if n == 1)
-    return ScheduledBatch(reqs, lens, num_decode, prefilling, sampled, counts, spans)
+    return ScheduledBatch(reqs, lens, num_decode, prefilling, sampled, counts, spans, embed_spans=embeds)
 
 
 def _logprob_span(req: Req, n: int) -> tuple[Req, int, int] | None:
@@ -187,6 +192,10 @@ def to_worker_batch(b: ScheduledBatch, kv: KVManager, device: torch.device) -> W
     )
     if b.logprob_spans:
         wb.prompt_rows, wb.prompt_targets = _prompt_logprob_inputs(b, device)
+    if b.embed_spans:
+        offset_of = _position_zero(b)
+        rows_ = [offset_of[id(req)] + p for req, first, count in b.embed_spans for p in range(first, first + count)]
+        (wb.embed_rows,) = stage([np.asarray(rows_, np.int64)], device)
     if drafted:
         rows_, starts_, wb.draft_lens = (list(t) for t in zip(*drafted))
         wb.draft_rows, wb.draft_starts = stage([np.asarray(rows_, np.int64), np.asarray(starts_, np.int64)], device)
@@ -206,12 +215,19 @@ def _last_rows(b: ScheduledBatch, lens: np.ndarray) -> np.ndarray:
     return np.asarray(rows, dtype=np.int64)
 
 
-def _prompt_logprob_inputs(b: ScheduledBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed-token rows whose hidden state scores the next prompt token, and those tokens."""
+def _position_zero(b: ScheduledBatch) -> dict[int, int]:
+    """id(req) -> the packed index its position 0 would have (its first new token's, minus its
+    cached length)."""
     offset_of, offset = {}, 0
     for req, n in zip(b.reqs, b.extend_lens):
-        offset_of[id(req)] = offset - req.cached_len  # packed index of the request's position 0
+        offset_of[id(req)] = offset - req.cached_len
         offset += n
+    return offset_of
+
+
+def _prompt_logprob_inputs(b: ScheduledBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed-token rows whose hidden state scores the next prompt token, and those tokens."""
+    offset_of = _position_zero(b)
     rows: list[int] = []
     targets: list[int] = []
     for req, first, count in b.logprob_spans:

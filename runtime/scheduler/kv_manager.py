@@ -183,6 +183,8 @@ class KVManager:
         # At least one token must be computed to produce logits; prompt logprobs need
         # the hidden state of every position from logprob_start_len - 1 on.
         limit = req.seq_len - 1
+        if req.embed == "mean":  # every prompt position's hidden state: nothing from the cache
+            return 0
         if req.wants_input_logprobs and not req.input_logprobs_done:
             limit = min(limit, max(req.logprob_start_len - 1, 0))
         return limit

@@ -49,6 +49,9 @@ class Req:
         self.return_logprob = tr.return_logprob
         self.top_logprobs_num = tr.top_logprobs_num
         self.logprob_start_len = tr.logprob_start_len
+        self.embed = tr.embed  # "last" / "mean": an embedding request (no output)
+        self.embed_sum: Any = None  # its pooled hidden states so far (a tensor), and how many
+        self.embed_count = 0
         self.row: int | None = None
         self.prefix_len = 0
         self.cached_len = 0

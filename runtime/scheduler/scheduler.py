@@ -573,6 +573,7 @@ class Scheduler:
             if b.is_prefill(req) and req.finish is None:
                 self.kv.share_prefill(req)
         self._store_prompt_logprobs(b, out)
+        self._store_embeddings(b, out)
         faulted: dict[str, Finish] = {}  # requests whose own bookkeeping raised: they alone fail
         row = 0
         for req, count in zip(b.sampled, b.sample_counts):
@@ -710,6 +711,15 @@ class Scheduler:
     def _is_stop_token(self, req: Req, token: int) -> bool:
         return token in req.params.stop_token_ids or (token in self.eos_ids and not req.params.ignore_eos)
 
+    def _store_embeddings(self, b: ScheduledBatch, out: WorkerOutput) -> None:
+        """Embedding requests' hidden states of this step, pooled as they come (a mean's chunks summed)."""
+        at = 0
+        for req, _, count in b.embed_spans:
+            part = out.embed_hidden[at : at + count].double().sum(0)
+            req.embed_sum = part if req.embed_sum is None else req.embed_sum + part
+            req.embed_count += count
+            at += count
+
     def _store_prompt_logprobs(self, b: ScheduledBatch, out: WorkerOutput) -> None:
         at = 0
         for req, first, count in b.logprob_spans:
@@ -783,6 +793,8 @@ class Scheduler:
             spec_accepted_tokens=req.spec_accepted,
         )
         req.replaced = 0
+        if req.finish is not None and req.embed_count:
+            out.embedding = (req.embed_sum / req.embed_count).float().tolist()
         if req.return_logprob:
             out.output_logprobs = req.output_logprobs[req.sent_len :]
             out.output_top_logprobs = req.output_top_logprobs[req.sent_len :]

@@ -27,6 +27,8 @@ from radixlm.runtime.server.responses_api import add_responses_routes
 from radixlm.runtime.server.anthropic_api import add_anthropic_routes
 from radixlm.runtime.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from radixlm.runtime.server.tokenize_api import DETOKENIZE_BODY, TOKENIZE_BODY, add_tokenize_routes
+from radixlm.runtime.server.score_api import RerankRequest, ScoreRequest, add_score_routes
+from radixlm.runtime.server.embeddings_api import ENCODE_BODY, EmbeddingRequest, add_embeddings_routes
 from radixlm.runtime.server.responses_protocol import ResponsesRequest
 from radixlm.runtime.server.server_state import ServerState, gather_outputs, merge_streams
 from radixlm.runtime.server.sse import sse, sse_response
@@ -160,6 +162,8 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
     add_responses_routes(app, state)
     add_anthropic_routes(app, state)
     add_tokenize_routes(app, state)
+    add_score_routes(app, state)
+    add_embeddings_routes(app, state)
     document_bodies(app, {
         "/generate": GENERATE_BODY_SCHEMA,
         "/abort_request": {"type": "object", "properties": {"rid": {"type": "string"}}, "required": ["rid"]},
@@ -172,6 +176,10 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
         "/v1/messages/count_tokens": CountTokensRequest,
         "/tokenize": TOKENIZE_BODY,
         "/detokenize": DETOKENIZE_BODY,
+        "/v1/score": ScoreRequest,
+        "/v1/rerank": RerankRequest,
+        "/v1/embeddings": EmbeddingRequest,
+        "/encode": ENCODE_BODY,
     })
     return app
 

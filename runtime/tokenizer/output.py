@@ -39,6 +39,7 @@ class RequestOutput:
         self.cached_tokens = 0
         self.speculation = (0, 0, 0)  # (verify passes, drafts, drafts kept) so far
         self.finish_reason: dict[str, Any] | None = None
+        self.embedding: list[float] | None = None  # an embedding request's, at its end
 
     def add(self, out: TokenOutput) -> None:
         if out.replaced:
@@ -54,11 +55,15 @@ class RequestOutput:
         self.speculation = (out.spec_verify_ct, out.spec_proposed_tokens, out.spec_accepted_tokens)
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
+        if out.embedding is not None:
+            self.embedding = out.embedding
 
     def meta(self, reason: dict[str, Any] | None = None) -> dict[str, Any]:
         """meta_info's counts and finish reason (`reason`: instead of the scheduler's)."""
         meta = {"id": self.rid, "prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.token_ids),
                 "cached_tokens": self.cached_tokens, "finish_reason": reason or self.finish_reason}
+        if self.embedding is not None:
+            meta["embedding"] = self.embedding
         verify_ct, proposed, accepted = self.speculation
         if verify_ct:  # speculative decoding ran on it: verify passes, drafts checked, drafts kept
             meta.update(spec_verify_ct=verify_ct, spec_proposed_tokens=proposed, spec_accepted_tokens=accepted)

@@ -24,6 +24,9 @@ from radixlm.runtime.sampling_params import SamplingParams
 MAX_TOP_LOGPROBS = 20
 
 
+# an embedding's pooling: the last prompt token's final hidden state, or the mean of every one's
+POOLINGS = ("last", "mean")
+
 class RequestPreparer:
     """The served model's facts that requests are checked against, and `prepare`."""
 
@@ -41,6 +44,8 @@ class RequestPreparer:
     def prepare(self, req: GenerateRequest) -> TokenizedRequest:
         """The request, tokenized and checked (not a `choices` request: see tokenizer/choices.py)."""
         prompt_ids = self.prompt_ids(req)
+        if req.embed not in (None, *POOLINGS):
+            raise BadRequest(f"pooling must be one of {', '.join(POOLINGS)}, not {req.embed!r}")
         params = self.sampling_params(req, len(prompt_ids))
         constraint = constraint_key(params)
         if constraint is not None and self.tokenizer is None:
@@ -50,7 +55,7 @@ class RequestPreparer:
         except ValueError as e:
             raise BadRequest(str(e)) from None
         return TokenizedRequest(req.rid, prompt_ids, params, req.return_logprob, req.logprob_start_len,
-                                req.top_logprobs_num, gate, constraint)
+                                req.top_logprobs_num, gate, constraint, req.embed)
 
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
         """The prompt's token ids (text and messages tokenized), checked."""

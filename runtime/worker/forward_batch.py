@@ -64,6 +64,7 @@ class WorkerBatch(StepTokens):
     top_logprobs_num: int = 0
     prompt_rows: torch.Tensor | None = None  # [P] packed-token indices whose next-token logprob is wanted
     prompt_targets: torch.Tensor | None = None  # [P] the token that follows each of them
+    embed_rows: torch.Tensor | None = None  # [E] packed-token indices whose final hidden state is pooled
     # overlap scheduling: input ids <= FUTURE_BASE are the previous step's sampled tokens, not yet
     # known when this step was built (-(id - FUTURE_BASE) is the sample row), read on the device
     future_ids: bool = False

@@ -40,6 +40,7 @@ class WorkerOutput:
     prompt_top_logprobs: list[list[float]] = field(default_factory=list)
     prompt_top_logprob_ids: list[list[int]] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)  # the draft model's, per WorkerBatch.draft_rows
+    embed_hidden: torch.Tensor | None = None  # [E, hidden] float32 on the CPU, per WorkerBatch.embed_rows
 
 
 def pick_device(name: str, tp: TPContext = SINGLE) -> torch.device:
@@ -250,6 +251,8 @@ class ModelWorker:
         hidden = self._hidden(b)
         if b.prompt_rows is not None and b.prompt_rows.numel():
             self._prompt_logprobs(hidden[b.prompt_rows], b, out)
+        if b.embed_rows is not None and b.embed_rows.numel():  # (the hidden states after the final norm)
+            out.embed_hidden = hidden[b.embed_rows].float().cpu()
         if b.sample_rows.numel():
             logits = self.model.compute_logits(hidden[b.sample_rows])
             s = self.sampler(logits, b.sampling, return_logprob=b.return_logprob, top_logprobs_num=b.top_logprobs_num)

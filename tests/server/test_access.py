@@ -84,6 +84,21 @@ def test_served_with_an_api_key_the_openai_client_needs_it():
         assert out.usage.completion_tokens == 2
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong").models.list()
+        # Anthropic's API takes the key as x-api-key too (its client sends either), and refuses in its own shape
+        import anthropic
+
+        ask = {"model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": "Hello"}]}
+        assert httpx.post(srv.url + "/v1/messages", json=ask, headers={"x-api-key": "k3y-for-tests"},
+                          timeout=120).status_code == 200
+        assert httpx.post(srv.url + "/v1/messages", json=ask, headers={"x-api-key": "wrong"}).status_code == 401
+
+        said = anthropic.Anthropic(base_url=srv.url, api_key="k3y-for-tests", max_retries=0).messages.create(
+            model="default", max_tokens=2, messages=[{"role": "user", "content": "Hello"}])
+        assert said.usage.output_tokens == 2
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            anthropic.Anthropic(base_url=srv.url, api_key="wrong", max_retries=0).messages.count_tokens(
+                model="default", messages=[{"role": "user", "content": "Hello"}])
+        assert e.value.body["error"]["type"] == "authentication_error"
         auth = {"Authorization": "Bearer k3y-for-tests"}
         info = httpx.get(srv.url + "/get_server_info", headers=auth).json()
         assert info["page_size"] >= 1 and "k3y-for-tests" not in str(info)  # the key is never echoed back
