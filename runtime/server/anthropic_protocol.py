@@ -135,22 +135,15 @@ class ThinkingConfig(BaseModel):
     display: str | None = None
 
 
-class MessagesRequest(BaseModel):
-    """Body of ``POST /v1/messages``. An unknown field is refused (400 naming it), as is a block
-    or tool this server cannot read; ``thinking.budget_tokens`` is accepted, not enforced (the
-    reasoning ends where the model ends it, within ``max_tokens``)."""
+class CountTokensRequest(BaseModel):
+    """Body of ``POST /v1/messages/count_tokens``: the prompt's part of a Messages request. An unknown
+    field is refused (400 naming it), as is a block or tool this server cannot read."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    max_tokens: int = Field(ge=1)
     messages: list[InputMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
-    stop_sequences: list[str] | None = None
-    stream: bool = False
-    temperature: float | None = Field(None, ge=0, le=1)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=1)
     tools: list[Tool] | None = Field(None, max_length=oa.MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
@@ -167,22 +160,17 @@ class MessagesRequest(BaseModel):
         return {k: v for k, v in data.items() if v is not None and k not in _NO_EFFECT}
 
 
-class CountTokensRequest(BaseModel):
-    """Body of ``POST /v1/messages/count_tokens``: a Messages request without its output settings."""
+class MessagesRequest(CountTokensRequest):
+    """Body of ``POST /v1/messages``: the prompt's part and the output's settings.
+    ``thinking.budget_tokens`` is accepted, not enforced (the reasoning ends where the model ends
+    it, within ``max_tokens``)."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    model: str
-    messages: list[InputMessage] = Field(min_length=1)
-    system: str | list[TextBlock] | None = None
-    tools: list[Tool] | None = Field(None, max_length=oa.MAX_TOOLS)
-    tool_choice: ToolChoice | None = None
-    thinking: ThinkingConfig | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _normalize(cls, data: Any) -> Any:
-        return MessagesRequest._normalize(data)
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1)
 
 
 # -------------------------------------------------------------- conversion

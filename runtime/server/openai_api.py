@@ -93,6 +93,29 @@ def chat_body(req: ChatCompletionRequest, reasoning: ReasoningFormat | None = No
     return body
 
 
+class ChatRun:
+    """A chat request run for another protocol (the Responses and Messages APIs): its native
+    requests, and its choice's readers of tool calls and reasoning, by the server's parser."""
+
+    def __init__(self, state: ServerState, chat: Any) -> None:
+        parser = state.server_args.get("reasoning_parser")
+        self.state = state
+        self.reqs, _ = native_requests(chat_body(chat, reasoning_format(parser) if parser else None))
+        self.tools, self.reasoning = ToolReader.of(chat), ReasoningReader.of(chat, parser)
+
+    def choice_stream(self) -> ChoiceStream:
+        return ChoiceStream(self.tools, self.reasoning)
+
+    async def whole(self, request: Any) -> dict[str, Any]:
+        """The choice run to its end, as the chat completion object."""
+        outs = await run_until_done(request, gather_outputs(self.state.client, self.reqs))
+        try:
+            return chat_response([native_result(o) for o in outs], self.state.model_name, "", False, 0,
+                                 lambda _: "", self.tools, self.reasoning)
+        except RequestAborted as e:
+            raise HTTPError(f"the request was aborted: {e}", 500) from None
+
+
 def parse_request(model: type[BaseModel], body: dict[str, Any]) -> Any:
     try:
         return model.model_validate(body)

@@ -1,18 +1,22 @@
 """What the server's endpoints share: ``ServerState`` (the RuntimeClient, the runtime's facts,
 the metrics, whether every runtime process lives), and running requests through the client:
 every request's final output (``gather_outputs``) or their streamed outputs interleaved
-(``merge_streams``).
+(``merge_streams``), and a streamed chat choice in another protocol's events (``stream_choice``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from radixlm.runtime.client import RuntimeClient
 from radixlm.runtime.messages import ClientOutput, GenerateRequest
+from radixlm.runtime.native import native_result
+from radixlm.runtime.server.http_common import HTTPError
 from radixlm.runtime.server.metrics import Metrics
+from radixlm.runtime.server.openai_builders import RequestAborted, aggregate_usage, openai_finish_reason
+from radixlm.runtime.server.output_readers import ChoiceStream
 
 
 class ServerState:
@@ -67,3 +71,24 @@ async def merge_streams(client: RuntimeClient, reqs: list[GenerateRequest]) -> A
     finally:
         for t in tasks:  # cancelling aborts requests still running (client went away)
             t.cancel()
+
+
+async def stream_choice(state: ServerState, reqs: list[GenerateRequest], choice: ChoiceStream,
+                        start: Callable[[ClientOutput], bytes], feed: Callable[[list[dict[str, Any]]], bytes],
+                        finish: Callable[[ClientOutput, str | None, dict[str, Any]], bytes]) -> AsyncIterator[bytes]:
+    """One streamed chat choice in another protocol's events (the Responses and Messages APIs):
+    `start` once the runtime has answered (so a request it refuses gets a plain 4xx), then each
+    output's chat deltas through `feed`, and `finish` with the chat finish reason and usage."""
+    started = False
+    async for _, out in merge_streams(state.client, reqs):
+        if not started:
+            yield start(out)
+            started = True
+        result = native_result(out)
+        try:
+            reason = openai_finish_reason(out.meta_info.get("finish_reason")) if out.finished else None
+        except RequestAborted as e:
+            raise HTTPError(f"the request was aborted: {e}", 500) from None
+        yield feed(choice.feed(result["text"], out.finished))
+        if out.finished:
+            yield finish(out, reason, aggregate_usage([result], 1))
