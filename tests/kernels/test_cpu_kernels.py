@@ -42,9 +42,11 @@ def test_quant_matmul_against_the_reference_and_across_paths(m, n, blocks, kind,
     x = torch.randn(m, k, generator=gen) * 3
     portable = cpu.quant_matmul(x, tiled, isa=0)
     want = ref.quant_matmul(x, raw, scale.float(), None if zero is None else zero.float())
-    # the reference is float64 on the same quantized activations: only fp32 accumulation differs
+    # the reference is float64 on the same quantized activations: only fp32 accumulation differs, its
+    # error a small multiple of fp32's epsilon (6e-8) times the sum of the terms' magnitudes (3,000
+    # random draws came within 1e-5 of it, one hypothesis found past it: 3e-5 is the bound held)
     terms = ref.quant_matmul(x.abs(), raw.abs(), scale.float().abs(), None if zero is None else zero.float().abs()).abs()
-    assert ((portable - want).abs() <= 1e-5 * terms + 1e-6).all()
+    assert ((portable - want).abs() <= 3e-5 * terms + 1e-6).all(), (((portable - want).abs() - 1e-6) / terms).max()
     for isa in PATHS[1:]:
         assert torch.equal(cpu.quant_matmul(x, tiled, isa=isa), portable), cpu.ISA_NAMES[isa]
     # batch invariance: each row alone gives its row of the batch, bit for bit
