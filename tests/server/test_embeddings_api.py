@@ -52,7 +52,8 @@ def test_dimensions_base64_tokens_and_encode(server, smol, smol_tokenizer):
                                                           "encoding_format": "base64"}, timeout=60).json()
     vector = struct.unpack("<64f", base64.b64decode(cut["data"][0]["embedding"]))
     head = torch.tensor(full[:64], dtype=torch.float64)
-    assert torch.allclose(torch.tensor(vector, dtype=torch.float64), head / head.norm(), atol=1e-6)
+    # (two requests: their hidden states may differ in the last digits with what the cache and the batch hold)
+    assert torch.allclose(torch.tensor(vector, dtype=torch.float64), head / head.norm(), atol=1e-4)
     ids = smol_tokenizer.encode(TEXTS[1], add_special_tokens=False)
     by_ids = httpx.post(server.url + "/v1/embeddings", json={"input": [ids]}, timeout=60).json()["data"][0]
     assert _cos(by_ids["embedding"], torch.tensor(full, dtype=torch.float64)) > 0.9999

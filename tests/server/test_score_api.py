@@ -35,7 +35,9 @@ def test_score_is_the_next_token_probability_of_each_label(server, smol, smol_to
     for item, probs, norm in zip(items, r["scores"], soft["scores"]):
         ref = _hf_next(smol, smol_tokenizer.encode(query + item, add_special_tokens=False))[labels]
         assert all(abs(math.log(p) - float(q)) < LOGPROB_TOL for p, q in zip(probs, ref)), (item, probs, ref.exp())
-        assert abs(sum(norm) - 1) < 1e-6 and all(abs(n - p / sum(probs)) < 1e-6 for n, p in zip(norm, probs))
+        # (another request: its logprobs may differ in the last digits with what the cache and the
+        # batch hold, outside --deterministic)
+        assert abs(sum(norm) - 1) < 1e-6 and all(abs(n - p / sum(probs)) < 1e-3 for n, p in zip(norm, probs))
     # token ids work as texts do; item_first puts each item before the query
     ids = _post(server, "/v1/score", {"query": smol_tokenizer.encode(query, add_special_tokens=False),
                                       "items": [smol_tokenizer.encode(i, add_special_tokens=False) for i in items],
