@@ -15,6 +15,8 @@ import time
 
 import httpx
 
+from radixlm.runtime.launch import wait_until_serving
+
 PORT = 30117
 URL = f"http://127.0.0.1:{PORT}"
 MESSAGES = [{"role": "user", "content": "Name three colors and say why you like them."}]
@@ -53,13 +55,7 @@ def main() -> None:
     server = subprocess.Popen([sys.executable, "-m", "radixlm.runtime.cli", "serve", "--port", str(PORT)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(URL + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_until_serving(URL, server)
         cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
         print(f"CPU: {cpu}\n\n| call | round 1 (ms) | round 2 (ms) |\n|---|---|---|")
         rounds = [{name: median_ms(call) for name, call in CALLS.items()} for _ in range(2)]

@@ -99,7 +99,7 @@ def add_score_routes(app: FastAPI, state: ServerState) -> None:
 
 async def _label_logprobs(state: ServerState, prompts: list[Tokens], labels: list[int]) -> list[list[float]]:
     """logprob(label | prompt) of every label after every prompt."""
-    vocab = (await state.client.control("model_info"))["vocab_size"]
+    vocab = state.info["vocab_size"]  # (the runtime's facts, reported once at start)
     if not all(0 <= t < vocab for t in labels):
         raise HTTPError(f"label_token_ids must lie in [0, {vocab})")
     if not all(prompts):
