@@ -47,6 +47,9 @@ class ServerArgs:
     max_prefill_tokens: int = field(default=16384, metadata={"help": "most tokens in one prefill batch"})
     schedule_policy: str = field(default="lpm", metadata={"help": "one of " + ", ".join(SCHEDULE_POLICIES)})
     disable_radix_cache: bool = field(default=False, metadata={"help": "no prefix sharing"})
+    disable_window_pages: bool = field(default=False, metadata={
+        "help": "sliding-window models: keep the sliding layers' K/V for the whole context, as the global "
+                "layers' (by default they keep about a window of each request's)"})
     kv_tier_path: str | None = field(default=None, metadata={
         "help": "a folder for the KV cache's second tier: prefixes evicted from the pool are saved there and read "
                 "back when a prompt continues them, also after a restart on the same model (off when unset)"})

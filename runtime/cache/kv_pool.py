@@ -66,10 +66,15 @@ class KVPool:
 
 
 class ReqToTokenTable:
-    """Row r, column p holds the KV slot of position p of the request that owns row r."""
+    """Row r, column p holds the KV slot of position p of the request that owns row r.
 
-    def __init__(self, num_rows: int, max_context: int, device: torch.device | str) -> None:
+    `window_table` (models with sliding-window layers, allocator.WindowedPageAllocator): the same
+    for the sliding layers' slot space, valid for the positions a request's next queries can see.
+    """
+
+    def __init__(self, num_rows: int, max_context: int, device: torch.device | str, windowed: bool = False) -> None:
         self.table = torch.zeros((num_rows, max_context), dtype=torch.int64, device=device)
+        self.window_table = torch.zeros_like(self.table) if windowed else None
         self._free_rows = list(range(num_rows - 1, -1, -1))
 
     @property

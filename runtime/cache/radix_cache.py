@@ -207,14 +207,16 @@ class RadixCache(PrefixCache):
         """
         key = list(token_ids[: len(token_ids) // self.page_size * self.page_size])
         node, _ = self._walk(key)
-        values = []
-        walker = node
-        while walker is not self.root:
-            values.append(walker.value)
-            walker = walker.parent
-        slots = torch.cat(values[::-1]) if values else self.root.value
         self._touch(node)
-        return MatchResult(slots, node)
+        return MatchResult(self._path_slots(node), node)
+
+    def _path_slots(self, node: TreeNode) -> torch.Tensor:
+        """The slots from the root to the end of `node`."""
+        values = []
+        while node is not self.root:
+            values.append(node.value)
+            node = node.parent
+        return torch.cat(values[::-1]) if values else self.root.value
 
     def _walk(self, key: list[int]) -> tuple[TreeNode, int]:
         """Follow `key` (page-aligned) down the tree, splitting where it ends mid-node."""
@@ -229,10 +231,17 @@ class RadixCache(PrefixCache):
             node, pos = child, pos + n
         return node, pos
 
-    def _insert(self, key: list[int], slots: torch.Tensor) -> int:
-        """Cache `key` (page-aligned) with `slots`; return how many leading tokens were present."""
+    def _insert(self, key: list[int], slots: torch.Tensor, prefix_len: int) -> int:
+        """Cache `key` (page-aligned) with `slots`; return how many leading tokens were present.
+        Of those, the pages past `prefix_len` (the caller's own, duplicating the tree's) are freed."""
         assert len(key) % self.page_size == 0 and len(key) == len(slots), (len(key), len(slots))
         node, pos = self._walk(key)
+        # The locked prefix is in the tree, so it is always found again.
+        assert pos >= prefix_len, (pos, prefix_len)
+        if pos > prefix_len:  # NOTE: slots[:prefix_len] are the tree's own pages: never free those
+            P = self.page_size
+            kept = self._path_slots(node)[prefix_len:pos:P] // P
+            self.allocator.free_duplicates(kept, slots[prefix_len:pos:P] // P)
         if pos < len(key):
             # NOTE: clone, since callers may pass a view of a per-request table that gets reused.
             leaf = TreeNode(key[pos:], slots[pos:].clone(), node)
@@ -262,11 +271,7 @@ class RadixCache(PrefixCache):
         P = self.page_size
         assert len(token_ids) == len(slots) and prefix_len % P == 0, (len(token_ids), len(slots), prefix_len)
         aligned = len(token_ids) // P * P
-        present = self._insert(list(token_ids[:aligned]), slots[:aligned])
-        # The locked prefix is in the tree, so it is always found again.
-        assert present >= prefix_len, (present, prefix_len)
-        # NOTE: slots[:prefix_len] are the tree's own pages: never free those.
-        self._free_slots(slots[prefix_len:present])
+        self._insert(list(token_ids[:aligned]), slots[:aligned], prefix_len)
         self._free_slots(slots[aligned:])
         self.unlock(node)
 
@@ -276,9 +281,7 @@ class RadixCache(PrefixCache):
         assert len(token_ids) == len(slots) and prefix_len % P == 0, (len(token_ids), len(slots), prefix_len)
         aligned = len(token_ids) // P * P
         head = list(token_ids[:aligned])
-        present = self._insert(head, slots[:aligned])
-        assert present >= prefix_len, (present, prefix_len)
-        self._free_slots(slots[prefix_len:present])
+        self._insert(head, slots[:aligned], prefix_len)
         match = self.match_prefix(head)
         assert len(match.slots) == aligned, (len(match.slots), aligned)
         self.lock(match.node)  # lock the new path before unlocking the old one, which it contains

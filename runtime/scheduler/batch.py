@@ -180,11 +180,12 @@ def to_worker_batch(b: ScheduledBatch, kv: KVManager, device: torch.device) -> W
     rows = np.fromiter((r.row for r in b.reqs), np.int64, len(b.reqs))
     (rows_t, ext_t, seq_t, ids_t, sample_t, starts_t, token_row, token_index, positions, page_index,
      page_offset) = stage([rows, lens, starts + lens, np.asarray(ids, dtype=np.int64), sample_rows, *plan], device)
+    kv.drop_windows(b.reqs, starts)  # (sliding-window models) what the rows' windows left behind
     b.new_pages = kv.alloc_pages(new_pages)  # from here a fault hands them back
-    out_slots = kv.step_slots(rows_t, StepSlots(starts_t, token_row, token_index, positions, page_index, page_offset,
-                                                new_pages), b.new_pages)
+    out_slots, window_slots = kv.step_slots(rows_t, StepSlots(starts_t, token_row, token_index, positions, page_index,
+                                                              page_offset, new_pages), b.new_pages)
     wb = WorkerBatch(
-        mode=b.mode, input_ids=ids_t, positions=positions, out_slots=out_slots, req_rows=rows_t,
+        mode=b.mode, input_ids=ids_t, positions=positions, out_slots=out_slots, window_slots=window_slots, req_rows=rows_t,
         prefix_lens=starts_t, extend_lens=ext_t, seq_lens=seq_t, max_extend_len=int(lens.max()),
         max_seq_len=int((starts + lens).max()), num_decode=d, sample_rows=sample_t, sampling=b.sampling,
         return_logprob=any(r.return_logprob for r in b.sampled) or bool(b.logprob_spans),

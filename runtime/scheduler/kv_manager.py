@@ -9,12 +9,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from radixlm.runtime.cache.allocator import PageAllocator
+from radixlm.runtime.cache.allocator import PageAllocator, WindowedPageAllocator
 from radixlm.runtime.cache.continuations import TreeContinuations
 from radixlm.runtime.cache.kv_pool import ReqToTokenTable
 from radixlm.runtime.cache.kv_tier import KVTier
-from radixlm.runtime.cache.radix_cache import NoPrefixCache, PrefixCache, RadixCache
+from radixlm.runtime.cache.radix_cache import MatchResult, NoPrefixCache, PrefixCache, RadixCache
 from radixlm.runtime.scheduler.req import Req
+from radixlm.runtime.utils import ragged_arange
 
 
 log = logging.getLogger(__name__)
@@ -61,19 +62,37 @@ class StepSlots:
 
 class KVManager:
     """Every page is exactly one of: free, in the prefix cache (evictable or locked),
-    or owned by a request with a row. `check_accounting()` proves it."""
+    or owned by a request with a row. `check_accounting()` proves it.
+
+    Sliding-window models (`table.window_table`): the sliding layers' K/V sit in a second slot
+    space (allocator.WindowedPageAllocator), and a page's window page is given back once its
+    tokens are out of every window still to read them (`drop_windows`), so that a long request
+    holds about a window of it for those layers. A cached prefix is matched only as far as its
+    last window is still bound (`_match`); prompts go into the tree once whole (`share_prefill`).
+    """
 
     def __init__(self, num_pages: int, page_size: int, table: ReqToTokenTable, use_radix: bool,
                  device: torch.device, continuations: TreeContinuations | None = None,
-                 tier: KVTier | None = None) -> None:
+                 tier: KVTier | None = None, window: int | None = None, rollback: int = 0) -> None:
         """`continuations`: the n-gram index the radix tree keeps of its tokens (speculative decoding).
         `tier`: the second tier (kv_tier.py): evicted prefixes are saved there, and admission
-        reads a prompt's continuation past the tree's match back (`load_from_tier`)."""
+        reads a prompt's continuation past the tree's match back (`load_from_tier`).
+        `window`: the sliding layers' (with `table.window_table`); `rollback`: the most tokens a
+        running request's KV is ever cut back by (jump-forward, rejected drafts), which its window
+        pages are kept for."""
         self.page_size = page_size
         self.num_pages = num_pages
         self.table = table
         self.tier = tier
-        self.allocator = PageAllocator(num_pages, page_size, device)
+        self.window = window if table.window_table is not None else None
+        if self.window is not None:
+            assert tier is None, "a KV tier saves every layer's K/V of a page: not with window pages"
+            self.allocator: PageAllocator = WindowedPageAllocator(num_pages, page_size, device)
+            # positions are dropped a granule at a time: a request's drop costs one slice in 32 tokens
+            self._granule = page_size * max(1, 32 // page_size)
+            self._keep = self.window + rollback - 1  # the last positions dropping leaves bound
+        else:
+            self.allocator = PageAllocator(num_pages, page_size, device)
         self.cache: PrefixCache = (RadixCache(self.allocator, continuations, tier.save if tier else None) if use_radix
                                    else NoPrefixCache(self.allocator))
         self._offsets = torch.arange(page_size, device=device)
@@ -95,20 +114,40 @@ class KVManager:
     # ---- admission and release ---------------------------------------------------------------
 
     def match_len(self, req: Req) -> tuple[int, object]:
-        m = self.cache.match_prefix(req.tokens(0, self._match_limit(req)))
+        m = self._match(req)
         return len(m.slots), m.node
+
+    def _match(self, req: Req) -> MatchResult:
+        """The cached prefix a request can start from: the tree's longest match, cut back (for a
+        sliding-window model) to the longest page-aligned prefix whose last window is still
+        bound, which the request's first new token reads."""
+        tokens = req.tokens(0, self._match_limit(req))
+        m = self.cache.match_prefix(tokens)
+        if self.window is None or not len(m.slots):
+            return m
+        P = self.page_size
+        unbound = (self.allocator.page_map[m.slots[::P] // P] < 0).to(torch.int64)
+        missing = torch.cat([unbound.new_zeros(1), unbound.cumsum(0)])  # missing[k]: unbound among the first k pages
+        ends = torch.arange(len(missing), device=missing.device)  # a prefix of k pages
+        first = ((ends * P - self.window + 1).clamp(min=0) // P).clamp(max=ends)  # the first page its window reads
+        usable = torch.nonzero(missing[ends] == missing[first]).flatten()
+        length = int(usable[-1]) * P
+        return m if length == len(m.slots) else self.cache.match_prefix(tokens[:length])
 
     def admit(self, req: Req) -> None:
         """Give a request a row, its cached prefix (locked) and its cached length."""
         assert req.row is None
-        m = self.cache.match_prefix(req.tokens(0, self._match_limit(req)))
+        m = self._match(req)
         req.row = self.table.alloc_row()
         req.prefix_len = req.cached_len = len(m.slots)
         req.node = m.node
         req.cached_tokens += req.prefix_len
+        req.window_dropped = 0
         self.cache.lock(m.node)
         if req.prefix_len:
             self.table.table[req.row, : req.prefix_len] = m.slots
+            if self.window is not None:
+                self.table.window_table[req.row, : req.prefix_len] = self.allocator.window_slots(m.slots)
 
     def load_from_tier(self, req: Req) -> int:
         """After `admit`: the tier's blocks that continue the request's cached prefix, read into
@@ -169,14 +208,25 @@ class KVManager:
             pages = self.table.table[req.row, first_free : req.cached_len : p] // p
             self.allocator.free(pages)
         req.cached_len = length
+        if self.window is not None:  # a cut back by more than `rollback` must leave nothing to read
+            assert length == req.prefix_len or req.window_dropped <= max(length - self.window + 1, 0), (req, length)
+            req.window_dropped = min(req.window_dropped, first_free)
 
     def share_prefill(self, req: Req) -> None:
         """After a prefill step, put the request's KV so far into the prefix cache so that
-        requests arriving while it decodes can share it."""
+        requests arriving while it decodes can share it. A sliding-window model's prompt goes in
+        once whole, its pages out of the window unbound first: the tree's pages are not the
+        request's to unbind later, and a prompt shared chunk by chunk would stay bound whole."""
+        if self.window is not None:
+            if req.cached_len < req.prompt_len:
+                return
+            self.drop_windows([req], np.array([req.cached_len]))
         slots = self.table.table[req.row, : req.cached_len]
         m = self.cache.cache_unfinished(req.tokens(0, req.cached_len), slots, req.prefix_len, req.node)
         if len(m.slots) > req.prefix_len:
             self.table.table[req.row, : len(m.slots)] = m.slots
+            if self.window is not None:  # the tree's copy is bound wherever the request's was
+                self.table.window_table[req.row, : len(m.slots)] = self.allocator.window_slots(m.slots)
         req.prefix_len, req.node = len(m.slots), m.node
 
     def _match_limit(self, req: Req) -> int:
@@ -214,23 +264,55 @@ class KVManager:
         self.table.table[req.row, start:end] = slots
         return slots
 
-    def step_slots(self, rows: torch.Tensor, plan: StepSlots, pages: torch.Tensor) -> torch.Tensor:
+    def step_slots(self, rows: torch.Tensor, plan: StepSlots, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The KV slots of a whole step's tokens, written into the requests' rows: positions
         [start, start + n) of each row continue its last page, then take the step's new `pages`
         (`alloc_pages(plan.num_new_pages)`). `plan` was worked out on the host
-        (`StepSlots.host_arrays`): a few batched device ops whatever the batch holds, nothing read back."""
+        (`StepSlots.host_arrays`): a few batched device ops whatever the batch holds, nothing read back.
+        Returns the slots and, for a sliding-window model, the same in the window space (the new
+        pages' window pages; a row's last page is always bound: its window reads it)."""
+        slots = self._plan_slots(self.table.table, rows, plan, pages)
+        if self.window is None:
+            return slots, None
+        return slots, self._plan_slots(self.table.window_table, rows, plan, self.allocator.page_map[pages])
+
+    def _plan_slots(self, table: torch.Tensor, rows: torch.Tensor, plan: StepSlots, pages: torch.Tensor) -> torch.Tensor:
         p = self.page_size
         if p == 1:  # every token starts a page
             slots = pages
         else:
-            follow = self.table.table[rows, (plan.starts - 1).clamp(min=0)][plan.token_row] + 1 + plan.token_index
+            follow = table[rows, (plan.starts - 1).clamp(min=0)][plan.token_row] + 1 + plan.token_index
             if plan.num_new_pages:
                 fresh = pages[plan.page_index.clamp(min=0)] * p + plan.page_offset
                 slots = torch.where(plan.page_index < 0, follow, fresh)
             else:
                 slots = follow
-        self.table.table[rows[plan.token_row], plan.positions] = slots
+        table[rows[plan.token_row], plan.positions] = slots
         return slots
+
+    def drop_windows(self, reqs: list[Req], ends: np.ndarray) -> None:
+        """Unbind the window pages (allocator.WindowedPageAllocator) of these requests' own pages
+        that no later query reads: a query at position q reads keys q - window + 1 .. q, and the
+        KV may yet be cut back by `rollback` tokens, so of positions [0, ends) those below
+        ends - window - rollback + 1 are done with, a granule at a time. `ends`: each one's
+        cached length. The prefix pages are the tree's, kept for the requests that match them."""
+        if self.window is None:
+            return
+        G, P = self._granule, self.page_size
+        horizon = (ends - self._keep) // G * G
+        floor = np.fromiter((max(r.prefix_len, r.window_dropped) for r in reqs), np.int64, len(reqs))
+        (due,) = np.nonzero(horizon > floor)
+        if not due.size:
+            return
+        pages = (horizon[due] - floor[due]) // P  # floors are page-aligned: prefixes, granules, truncations
+        rows = np.fromiter((reqs[i].row for i in due), np.int64, due.size)
+        dev = self.table.table.device
+        counts = torch.from_numpy(pages).to(dev)
+        positions = torch.repeat_interleave(torch.from_numpy(floor[due]).to(dev), counts) + ragged_arange(counts) * P
+        rows_t = torch.repeat_interleave(torch.from_numpy(rows).to(dev), counts)
+        self.allocator.unbind(self.table.table[rows_t, positions] // P)
+        for i, h in zip(due.tolist(), horizon[due].tolist()):
+            reqs[i].window_dropped = h
 
     # ---- the invariant -----------------------------------------------------------------------
 
@@ -243,8 +325,33 @@ class KVManager:
             f"= {total} != pool {self.num_pages}"
         )
         self.cache.check_invariants()
+        if self.window is not None:
+            self._check_windows(reqs_with_rows)
         if self.tier is not None:
             self.tier.store.check()
+
+    def _check_windows(self, reqs: list[Req]) -> None:
+        """Every page a running request's next query can read is bound, its window row says where,
+        and only pages in use (the tree's, the requests') are bound."""
+        P, alloc = self.page_size, self.allocator
+        for r in reqs:
+            start = max(r.cached_len - self.window + 1, 0)
+            slots = self.table.table[r.row, start : r.cached_len]
+            assert bool((alloc.page_map[slots // P] >= 0).all()), f"{r.rid}: a page its window reads is unbound"
+            assert torch.equal(self.table.window_table[r.row, start : r.cached_len], alloc.window_slots(slots)), \
+                f"{r.rid}: its window row points elsewhere than its pages' window pages"
+        owned = [self.table.table[r.row, r.prefix_len : r.cached_len : P] // P for r in reqs]
+        tree = [n.value[::P] // P for n in self.cache._nodes()] if isinstance(self.cache, RadixCache) else []
+        in_use = torch.zeros(self.num_pages + 1, dtype=torch.bool, device=alloc.page_map.device)
+        for pages in owned + tree:
+            in_use[pages] = True
+        stray = (alloc.page_map[:-1] >= 0) & ~in_use[:-1]
+        assert not bool(stray.any()), f"pages bound but in use by no one: {torch.nonzero(stray).flatten()[:8].tolist()}"
+
+    @property
+    def window_bound_tokens(self) -> int | None:
+        """Tokens whose sliding layers' K/V are held (None: no sliding-window pages)."""
+        return None if self.window is None else self.allocator.num_bound_pages * self.page_size
 
     def flush(self) -> None:
         self.cache.reset()

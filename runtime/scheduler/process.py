@@ -128,6 +128,8 @@ class SchedulerProcess:
                 "kv_pool_tokens": s.kv.num_pages * s.kv.page_size, "page_size": s.kv.page_size,
                 "free_tokens": s.kv.allocator.num_free_pages * s.kv.page_size,
                 "cached_tokens": (s.kv.cache.evictable_pages + s.kv.cache.locked_pages) * s.kv.page_size,
+                # sliding-window models: tokens whose sliding layers' K/V are held (the rest: global layers only)
+                "window_tokens": s.kv.window_bound_tokens,
                 "num_retractions": s.num_retractions,
                 "overlap_schedule": s.overlap, "overlapped_steps": s.overlapped_steps,
                 "context_length": s.context_length,

@@ -55,6 +55,7 @@ class Req:
         self.row: int | None = None
         self.prefix_len = 0
         self.cached_len = 0
+        self.window_dropped = 0  # its own pages below this position have given their window pages back
         self.node: Any = None
         self.cached_tokens = 0  # prefix-cache hits reported to the client
         self.finish: Finish | None = None

@@ -32,7 +32,7 @@ from radixlm.runtime.native import BadRequest
 from radixlm.runtime.sampling_params import STOP_REGEX_WINDOW
 from radixlm.runtime.scheduler.admission import Admitted, admit, step_budget
 from radixlm.runtime.scheduler.batch import PenaltyTracker, ScheduledBatch, make_batch, sampling_batch, to_worker_batch
-from radixlm.runtime.scheduler.jump_forward import JumpForwarder
+from radixlm.runtime.scheduler.jump_forward import RETOKENIZE_TOKENS, JumpForwarder
 from radixlm.runtime.scheduler.kv_manager import KVManager, pages_for
 from radixlm.runtime.scheduler.overlap import InFlight, StepThread, may_overlap
 from radixlm.runtime.scheduler.req import Finish, FinishKind, Req
@@ -113,7 +113,9 @@ class Scheduler:
         self.eos_ids = list(worker.config.eos_token_ids)
         tree_index = TreeContinuations() if args.speculative in ("auto", "radix") else None
         self.kv = KVManager(worker.num_pages, worker.page_size, worker.req_to_token,
-                            not args.disable_radix_cache, worker.device, tree_index, _kv_tier(args, worker))
+                            not args.disable_radix_cache, worker.device, tree_index, _kv_tier(args, worker),
+                            window=worker.config.sliding_window if worker.req_to_token.window_table is not None else None,
+                            rollback=RETOKENIZE_TOKENS + args.speculative_num_draft_tokens + 1)
         self.speculator = (None if args.speculative == "off" else
                            Speculator(args.speculative, args.speculative_num_draft_tokens, self.kv,
                                       self.context_length, self.eos_ids, args.speculative_max_batch_size))

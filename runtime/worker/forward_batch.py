@@ -65,6 +65,7 @@ class WorkerBatch(StepTokens):
     prompt_rows: torch.Tensor | None = None  # [P] packed-token indices whose next-token logprob is wanted
     prompt_targets: torch.Tensor | None = None  # [P] the token that follows each of them
     embed_rows: torch.Tensor | None = None  # [E] packed-token indices whose final hidden state is pooled
+    window_slots: torch.Tensor | None = None  # [T] out_slots in the sliding layers' slot space (window pages)
     # overlap scheduling: input ids <= FUTURE_BASE are the previous step's sampled tokens, not yet
     # known when this step was built (-(id - FUTURE_BASE) is the sample row), read on the device
     future_ids: bool = False
@@ -83,9 +84,18 @@ class ForwardBatch(StepTokens):
     attn_backend: AttentionBackend
     attn_meta: Any = field(default=None)  # filled by the backend's prepare()
     window_meta: dict[int, Any] = field(default_factory=dict)  # the same for sliding layers, by window
+    window_slots: torch.Tensor | None = None  # WorkerBatch's: where sliding layers store (window pages)
 
     @classmethod
     def of(cls, step: StepTokens, kv_pool: KVPool, req_to_token: ReqToTokenTable,
            attn_backend: AttentionBackend) -> ForwardBatch:
         return cls(**{f.name: getattr(step, f.name) for f in fields(StepTokens)}, kv_pool=kv_pool,
-                   req_to_token=req_to_token, attn_backend=attn_backend)
+                   req_to_token=req_to_token, attn_backend=attn_backend,
+                   window_slots=getattr(step, "window_slots", None))
+
+    def kv_layout(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token table and this step's store slots of a layer: a sliding layer's (`window`)
+        are the window space's where the pool keeps one (allocator.WindowedPageAllocator)."""
+        if window is not None and self.window_slots is not None:
+            return self.req_to_token.window_table, self.window_slots
+        return self.req_to_token.table, self.out_slots

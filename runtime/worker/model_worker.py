@@ -92,7 +92,13 @@ class ModelWorker:
             self.num_pages = int(agreed)
         cfg = self.config
         self.kv_pool = self._kv_pool(cfg)
-        self.req_to_token = ReqToTokenTable(args.max_running_requests + 1, self.context_length + 1, self.device)
+        # sliding layers keep their K/V in window pages (cache/allocator.WindowedPageAllocator), with
+        # one rank (each would need the window rows), no draft model (its own layers) and no KV tier
+        # (it saves every layer of a page)
+        windowed = (cfg.sliding_window is not None and tp.size == 1 and draft_model is None
+                    and args.kv_tier_path is None and not args.disable_window_pages)
+        self.req_to_token = ReqToTokenTable(args.max_running_requests + 1, self.context_length + 1, self.device,
+                                            windowed=windowed)
         self.attn_backend = self._attention_backend()
         self.linear_mode = self._linear_mode(self.model)
         self.pad_slot = self.num_pages * self.page_size  # in the pool's spare page: padding rows write here

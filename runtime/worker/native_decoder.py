@@ -51,6 +51,7 @@ class NativeDecoder:
         self._decoder = torch.classes.radixlm.Decoder(
             weights, formats, pool.k_heads, pool.v_heads, model.rotary.cos2, model.rotary.sin2, first.num_heads,
             first.num_kv_heads, first.head_dim, float(cfg.rms_norm_eps), float(first.scale), first.window or 0)
+        self.window = first.window
         self.worker = worker
         self.steps = 0  # decode steps run here
 
@@ -82,6 +83,8 @@ class NativeDecoder:
         """The final hidden states of a decode step's rows, [rows, hidden]."""
         self.steps += 1
         h = self.worker.model.embed_tokens(b.input_ids)
-        return self._decoder.forward(h, b.positions, b.out_slots, self.worker.req_to_token.table, b.req_rows,
-                                     b.seq_lens, -1)
+        table, slots = self.worker.req_to_token.table, b.out_slots
+        if self.window and b.window_slots is not None:  # every layer slides: all in the window space
+            table, slots = self.worker.req_to_token.window_table, b.window_slots
+        return self._decoder.forward(h, b.positions, slots, table, b.req_rows, b.seq_lens, -1)
 

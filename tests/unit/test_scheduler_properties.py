@@ -6,7 +6,11 @@ is the last KV mod the vocabulary. A slot handed to the wrong request or reused 
 referenced, a prefix matched wrongly, a retraction or a chunk that loses a token: each changes the
 chain, and so the output. The oracle computes every request's tokens directly from its prompt.
 With a KV tier drawn, evicted prefixes are saved as the chain values they hold and read back
-into new slots: one read back under the wrong prefix breaks the chain the same way.
+into new slots: one read back under the wrong prefix breaks the chain the same way. With a sliding
+window drawn, each token's KV is also stored in the window space (the sliding layers' slots) and a
+sampled row reads its last `window` positions back through its window row, as a sliding layer
+would: a window page given back too early, or a prefix matched past where its window is held,
+reads another token's KV there.
 """
 
 from __future__ import annotations
@@ -40,12 +44,14 @@ def chain(kv_before: int, token: int) -> int:
 
 
 class EchoWorker:
-    def __init__(self, num_pages: int, page_size: int, max_running: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, max_running: int, window: int | None = None) -> None:
         self.device = torch.device("cpu")
         self.context_length, self.page_size, self.num_pages = CONTEXT, page_size, num_pages
-        self.config = SimpleNamespace(vocab_size=VOCAB, eos_token_ids=[EOS])
-        self.req_to_token = ReqToTokenTable(max_running + 1, CONTEXT + 1, self.device)
+        self.config = SimpleNamespace(vocab_size=VOCAB, eos_token_ids=[EOS], sliding_window=window)
+        self.req_to_token = ReqToTokenTable(max_running + 1, CONTEXT + 1, self.device, windowed=window is not None)
         self.kv = [(-1, -1)] * (num_pages * page_size)  # slot -> (chain value, token)
+        self.window_kv = list(self.kv)  # the same in the window space
+        self.window = window
         self.broken: list[str] = []  # contexts found inconsistent, as attention would read them
         self.kv_pools = [ListPool(self.kv)]  # what a KV tier saves and loads
         self.sampled: list[int] = []  # the latest step's tokens: what an overlapped step's placeholders stand for
@@ -69,10 +75,22 @@ class EchoWorker:
                 self.broken.append(f"row {row} position {pos}: the table does not point at the slot written")
             before = self.kv[int(table[row, pos - 1])][0] if pos else 0
             self.kv[slot] = (chain(before, token), token)
+        if self.window is not None:
+            window_table = self.req_to_token.window_table
+            for i, (slot, full) in enumerate(zip(b.window_slots.tolist(), b.out_slots.tolist())):
+                row, pos = rows[owner[i]], positions[i]
+                if int(window_table[row, pos]) != slot:
+                    self.broken.append(f"row {row} position {pos}: the window row does not point at the slot written")
+                self.window_kv[slot] = self.kv[full]
         next_ids = []
         for i in b.sample_rows.tolist():
             row, pos = rows[owner[i]], positions[i]
             context = [self.kv[s] for s in table[row, : pos + 1].tolist()]
+            if self.window is not None:  # what a sliding layer reads: the last `window` positions
+                first = max(pos + 1 - self.window, 0)
+                seen = [self.window_kv[s] for s in self.req_to_token.window_table[row, first : pos + 1].tolist()]
+                if seen != context[first:]:
+                    self.broken.append(f"row {row}: its window at position {pos} reads another sequence's KV")
             value = 0
             for p, (kv, token) in enumerate(context):  # the whole context, as attention reads it
                 value = chain(value, token)
@@ -161,23 +179,32 @@ def workloads(draw):
     tier=st.booleans(),  # a KV tier (with the radix cache), in blocks of 4 tokens
     overlap=st.booleans(),  # the next step built while this one runs, on a thread of its own
     speculative=st.sampled_from(["off", "off", "ngram", "radix"]),  # verify rows: drafts kept up to the first miss
+    window=st.sampled_from([None, None, 2, 5]),  # sliding-window layers (window pages; not with a tier)
 )
 def test_every_request_ends_once_with_the_oracles_tokens(arrivals, page_size, spare_pages, chunk, policy, radix,
-                                                         max_running, reserve, tier, overlap, speculative):
+                                                         max_running, reserve, tier, overlap, speculative, window):
     # the smallest pool that still holds the longest request: tight pools force retraction
     longest = max(len(a.prompt) + a.max_new for a in arrivals)
     num_pages = -(-longest // page_size) + 1 + spare_pages // page_size
-    folder = tempfile.mkdtemp(prefix="radixlm-tier-") if tier and radix else None
+    folder = tempfile.mkdtemp(prefix="radixlm-tier-") if tier and radix and window is None else None
     args = ServerArgs(chunked_prefill_size=chunk, max_prefill_tokens=64, schedule_policy=policy,
                       disable_radix_cache=not radix, max_running_requests=max_running, debug_accounting=True,
                       init_new_token_ratio=reserve, min_new_token_ratio=min(reserve, 0.1), kv_tier_path=folder,
                       overlap_schedule="on" if overlap else "off", speculative=speculative,
                       speculative_num_draft_tokens=3)
-    worker = EchoWorker(num_pages, page_size, max_running)
+    worker = EchoWorker(num_pages, page_size, max_running, window)
     with mock.patch.object(scheduler_module, "BLOCK_TOKENS", 4):
         sched = Scheduler(args, worker)
+    unbound = []
+    if window is not None:  # window pages given back a page at a time, not 32 tokens, and kept only for
+        sched.kv._granule = page_size  # the cut backs of this workload (rejected drafts; no jump-forward)
+        sched.kv._keep = window + args.speculative_num_draft_tokens
+        unbind = sched.kv.allocator.unbind
+        sched.kv.allocator.unbind = lambda pages: (unbound.append(len(pages)), unbind(pages))
     try:
         _run_workload(sched, worker, arrivals)
+        if window is not None:
+            event(f"window pages given back: {sum(unbound) > 0}")
         sched.shutdown()  # with a tier: everything the tree holds saved, every write done
         if folder is not None:
             sched.kv.tier.store.check_files()

@@ -38,28 +38,26 @@ class InvariantMeta(NamedTuple):
 
 class InvariantAttention(AttentionBackend):
     def prepare(self, fb: ForwardBatch) -> None:
-        table = fb.req_to_token.table
-        owner = torch.repeat_interleave(fb.req_rows, fb.extend_lens)
         positions = torch.repeat_interleave(fb.prefix_lens, fb.extend_lens) + ragged_arange(fb.extend_lens)
         width = -(-fb.max_seq_len // KEY_BLOCK) * KEY_BLOCK
         key_pos = torch.arange(width, device=positions.device)
         visible = key_pos[None, :] <= positions[:, None]
-        slots = table[owner[:, None], key_pos.clamp(max=table.shape[1] - 1)[None, :]]
-        slots = torch.where(visible, slots, slots[:, :1])
         longest = positions.tolist()
         blocks = [max(longest[i : i + QUERY_SLICE]) // KEY_BLOCK + 1 for i in range(0, len(longest), QUERY_SLICE)]
-        fb.attn_meta = InvariantMeta(slots, visible, blocks, positions)
+        fb.attn_meta = InvariantMeta(_key_slots(fb, fb.req_to_token.table, visible), visible, blocks, positions)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
                 fb: ForwardBatch, window: int | None = None, softcap: float | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
-        fb.kv_pool.store(layer, fb.out_slots, k, v)
+        table, out_slots = fb.kv_layout(window)
+        fb.kv_pool.store(layer, out_slots, k, v)
         meta: InvariantMeta = fb.attn_meta
         if window is not None:  # a sliding layer: the same keys, those a window behind hidden too
             if window not in fb.window_meta:
                 key_pos = torch.arange(meta.visible.shape[1], device=meta.positions.device)
-                recent = key_pos[None, :] > meta.positions[:, None] - window
-                fb.window_meta[window] = meta._replace(visible=meta.visible & recent)
+                visible = meta.visible & (key_pos[None, :] > meta.positions[:, None] - window)
+                slots = meta.slots if table is fb.req_to_token.table else _key_slots(fb, table, visible)
+                fb.window_meta[window] = meta._replace(slots=slots, visible=visible)
             meta = fb.window_meta[window]
         k_pool, v_pool = fb.kv_pool.k[layer], fb.kv_pool.v[layer]
         tokens, heads, dim = q.shape
@@ -92,3 +90,12 @@ class InvariantAttention(AttentionBackend):
             out[part] = acc / norm[..., None]
         return out.view(tokens, heads, dim).to(q.dtype)
 
+
+
+def _key_slots(fb: ForwardBatch, table: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Each token's key slots in `table`, [T, width]: those it cannot see read position 0's (a slot
+    in the pool whatever it holds: masked out)."""
+    owner = torch.repeat_interleave(fb.req_rows, fb.extend_lens)
+    key_pos = torch.arange(visible.shape[1], device=visible.device).clamp(max=table.shape[1] - 1)
+    slots = table[owner[:, None], key_pos[None, :]]
+    return torch.where(visible, slots, slots[:, :1])

@@ -53,14 +53,14 @@ class NativeAttention(TorchAttention):
                     layer: int, scale: float, fb: ForwardBatch, window: int | None = None,
                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         k_pool, v_pool = fb.kv_pool.k_heads[layer], fb.kv_pool.v_heads[layer]
-        self._rope_store(qkv, fb.positions, cos2, sin2, k_pool, v_pool, fb.out_slots, heads, kv_heads, -1)
+        self._rope_store(qkv, fb.positions, cos2, sin2, k_pool, v_pool, fb.kv_layout(window)[1], heads, kv_heads, -1)
         dim = k_pool.shape[2]
         return self._attend(qkv[:, : heads * dim], k_pool, v_pool, scale, fb, window, softcap, sinks)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
                 fb: ForwardBatch, window: int | None = None, softcap: float | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
-        fb.kv_pool.store(layer, fb.out_slots, k, v)
+        fb.kv_pool.store(layer, fb.kv_layout(window)[1], k, v)
         k_pool, v_pool = fb.kv_pool.k_heads[layer], fb.kv_pool.v_heads[layer]
         heads, dim = q.shape[1], q.shape[2]
         out = self._attend(q.reshape(-1, heads * dim), k_pool, v_pool, scale, fb, window, softcap, sinks)
@@ -71,7 +71,7 @@ class NativeAttention(TorchAttention):
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, heads * d] (rows may be strided) -> [T, heads * d]."""
         meta = fb.attn_meta
-        table = fb.req_to_token.table
+        table = fb.kv_layout(window)[0]
         w, cap = window or 0, softcap or 0.0
         if isinstance(meta, InvariantMeta):
             return self._decode(q, k_pool, v_pool, table, meta.rows, meta.lens, scale, -1, w, cap, sinks)

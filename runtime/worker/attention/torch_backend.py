@@ -89,7 +89,7 @@ class TorchAttention(AttentionBackend):
 
     def _window_meta(self, fb: ForwardBatch, window: int) -> TorchAttnMeta:
         if window not in fb.window_meta:
-            table, d = fb.req_to_token.table, fb.num_decode
+            table, d = fb.kv_layout(window)[0], fb.num_decode
             heads = fb.kv_pool.k_heads[0].shape[0], fb.kv_pool.num_slots
             decode = _prepare_decode(table, fb.req_rows[:d], fb.seq_lens[:d], heads, window)[0] if d else []
             extend = prepare_extend(table, fb, d, heads, window) if d < fb.batch_size else []
@@ -99,7 +99,7 @@ class TorchAttention(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
                 fb: ForwardBatch, window: int | None = None, softcap: float | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
-        fb.kv_pool.store(layer, fb.out_slots, k, v)
+        fb.kv_pool.store(layer, fb.kv_layout(window)[1], k, v)
         meta: TorchAttnMeta = fb.attn_meta if window is None else self._window_meta(fb, window)
         k_pool, v_pool = fb.kv_pool.k_heads[layer], fb.kv_pool.v_heads[layer]
         d = meta.num_decode
