@@ -162,8 +162,8 @@ class SyncRuntimeClient:
     def abort(self, rid: str) -> None:
         self._call(self._client.abort(rid))
 
-    def control(self, op: str) -> dict[str, Any]:
-        return self._call(self._client.control(op))
+    def control(self, op: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self._call(self._client.control(op, args))
 
     def close(self) -> None:
         async def shut() -> None:

@@ -75,6 +75,12 @@ class Engine(GenerateAPI):
     def flush_cache(self) -> bool:
         return self._client.control("flush_cache")["success"]
 
+    def update_weights_from_disk(self, model_path: str, abort_all_requests: bool = False) -> tuple[bool, str]:
+        """SGLang's: serve the checkpoint at `model_path` (the same model) from now on, once the
+        running requests are done (or aborted); the prefix cache is flushed. (success, message)."""
+        out = self._client.control("update_weights", {"model_path": model_path, "abort_all_requests": abort_all_requests})
+        return out["success"], out["message"]
+
     def server_info(self) -> dict[str, Any]:
         return self._client.control("server_info")
 

@@ -123,6 +123,15 @@ class LocalEngine(GenerateAPI):
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()
 
+    def update_weights_from_disk(self, model_path: str) -> tuple[bool, str]:
+        """As Engine's (between calls nothing runs here, so the update is made at once)."""
+        try:
+            source = self.worker.check_update(model_path)
+        except ValueError as e:
+            return False, str(e)
+        self.scheduler.update_weights(source)
+        return True, f"serving the weights of {source.path}"
+
     def shutdown(self) -> None:
         """Stop the constraint compiler's processes (if constraints were used)."""
         self.scheduler.shutdown()

@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from radixlm.runtime.router import POLICIES
 from radixlm.runtime.router.prefix_tree import PrefixTree
@@ -160,6 +160,21 @@ def create_router_app(router: Router, api_key: str | None = None, max_request_by
                                          if r.healthy), return_exceptions=True)
         ok = all(isinstance(x, httpx.Response) and x.status_code == 200 for x in results)
         return Response(status_code=200 if ok else 409)
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> Response:
+        """Every replica serves the new weights (each waits for its own running requests)."""
+        body = await request.body()
+        results = await asyncio.gather(*(client.post(r.url + "/update_weights_from_disk", content=body,
+                                                     headers={"content-type": "application/json"}, timeout=None)
+                                         for r in router.replicas if r.healthy), return_exceptions=True)
+        failed = [x.text if isinstance(x, httpx.Response) else f"{type(x).__name__}: {x}"
+                  for x in results if not isinstance(x, httpx.Response) or x.status_code != 200]
+        if failed:
+            status = max((x.status_code for x in results if isinstance(x, httpx.Response) and x.status_code != 200),
+                         default=502)
+            return JSONResponse({"success": False, "message": "; ".join(failed)}, status_code=status)
+        return JSONResponse({"success": True, "message": f"{len(results)} replicas updated"})
 
     for path in ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses"):
         app.add_api_route(path, _proxy_endpoint(client, router, path), methods=["POST"])

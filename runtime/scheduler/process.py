@@ -14,6 +14,7 @@ from radixlm.runtime.args import ServerArgs
 from radixlm.runtime.constrained.grammar import compiler_factory
 from radixlm.runtime.messages import (AbortRequest, BatchTokenOutput, ControlOutput, ControlRequest, SchedulerLimits,
                                       TokenizedRequest, TokenOutput)
+from radixlm.runtime.model_config import ModelSource
 from radixlm.runtime.native import BadRequest
 from radixlm.runtime.scheduler.scheduler import DeviceLost, Scheduler
 
@@ -46,6 +47,7 @@ class SchedulerProcess:
         # the tokenizer process checks requests against these before it takes any (TokenizerManager.run_forever)
         self.outbox.send(ipc.encode(SchedulerLimits(kv_pool_tokens=self.worker.num_pages * self.worker.page_size)))
         self._stepping = self._stopping = False
+        self._update: tuple[str, ModelSource] | None = None  # a weight update waiting for the running requests
         signal.signal(signal.SIGTERM, self._on_terminate)
 
     def _on_terminate(self, signum: int, frame: object) -> None:
@@ -73,6 +75,8 @@ class SchedulerProcess:
     def _loop(self) -> None:
         s = self.scheduler
         while not self._stopping:
+            if self._update is not None and not s.busy:
+                self._finish_update()
             self._receive(block=not s.has_runnable_work)
             if s.has_work:
                 self._stepping = True
@@ -115,8 +119,43 @@ class SchedulerProcess:
             out = self.scheduler.abort(msg.rid)
             if out is not None:
                 self._send([out])
+        elif isinstance(msg, ControlRequest) and msg.op == "update_weights":
+            self._begin_update(msg)
         elif isinstance(msg, ControlRequest):
             self.outbox.send(ipc.encode(ControlOutput(msg.rid, self._control(msg.op))))
+
+    def _begin_update(self, msg: ControlRequest) -> None:
+        """/update_weights_from_disk: the checkpoint checked now (a bad one is answered at once);
+        then, as SGLang does, the running requests finish on the old weights (or, asked to, are
+        aborted) while new ones wait, and the update is made once none runs (`_finish_update`)."""
+        args = msg.args or {}
+        if self._update is not None:
+            reply = {"success": False, "message": "another weight update is in progress", "status": 409}
+            self.outbox.send(ipc.encode(ControlOutput(msg.rid, reply)))
+            return
+        try:
+            source = self.worker.check_update(args.get("model_path"))
+        except ValueError as e:
+            self.outbox.send(ipc.encode(ControlOutput(msg.rid, {"success": False, "message": str(e), "status": 400})))
+            return
+        if args.get("abort_all_requests"):
+            self._send([out for rid in list(self.scheduler.live_ids) if (out := self.scheduler.abort(rid))])
+        self.scheduler.admission_paused = True
+        self._update = (msg.rid, source)
+
+    def _finish_update(self) -> None:
+        rid, source = self._update
+        self._update = None
+        try:
+            self.scheduler.update_weights(source)
+            reply = {"success": True, "message": f"serving the weights of {source.path}"}
+        except Exception as e:  # noqa: BLE001 - the old weights serve on; the caller learns why
+            self.scheduler.admission_paused = False
+            error_id = uuid.uuid4().hex[:12]
+            log.exception("updating the weights from %s failed (error id %s)", source.path, error_id)
+            reply = {"success": False, "message": f"loading {source.path} failed: {type(e).__name__}: {e} "
+                                                  f"(error id {error_id}); the old weights serve on", "status": 500}
+        self.outbox.send(ipc.encode(ControlOutput(rid, reply)))
 
     def _control(self, op: str) -> dict:
         if op == "flush_cache":

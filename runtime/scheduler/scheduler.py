@@ -28,6 +28,7 @@ from radixlm.runtime.constrained.backend import GrammarError
 from radixlm.runtime.constrained.grammar import GrammarCompiler, constraint_key
 from radixlm.runtime.constrained.reasoning_gate import ReasoningGate
 from radixlm.runtime.messages import CONSTRAINT_NOT_GIVEN, TokenizedRequest, TokenOutput
+from radixlm.runtime.model_config import ModelSource
 from radixlm.runtime.native import BadRequest
 from radixlm.runtime.sampling_params import STOP_REGEX_WINDOW
 from radixlm.runtime.scheduler.admission import Admitted, admit, step_budget
@@ -122,6 +123,7 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # decoding
         self.chunked: Req | None = None  # mid-prefill between chunks
+        self.admission_paused = False  # a weight update waits for the running requests: none join them
         self.new_token_ratio = args.init_new_token_ratio
         self._arrivals = 0
         self.num_retractions = 0
@@ -217,6 +219,11 @@ class Scheduler:
         return bool(self.waiting or self.running or self.chunked or self.pending or self._in_flight)
 
     @property
+    def busy(self) -> bool:
+        """Whether any request holds KV or a step is out (waiting ones aside)."""
+        return bool(self.running or self.chunked or self._in_flight)
+
+    @property
     def has_runnable_work(self) -> bool:
         """Whether `step` has something to do now; else only constraints are compiling (`compile_wakeup_fd`)."""
         return bool(self.waiting or self.running or self.chunked or self._ended or self._in_flight)
@@ -241,6 +248,11 @@ class Scheduler:
         return {"tokens_per_s": sum(r.sampled for r in recent) / window_s,
                 "steps_per_s": len(recent) / window_s,
                 "last_step": None if last is None else {**last._asdict(), "seconds_ago": now - last.at}}
+
+    @property
+    def live_ids(self) -> list[str]:
+        """The ids of every request not yet ended."""
+        return list(self._live)
 
     @property
     def num_requests(self) -> int:
@@ -491,6 +503,20 @@ class Scheduler:
     def check_accounting(self) -> None:
         self.kv.check_accounting(self._reqs_with_rows())
 
+    def update_weights(self, source: ModelSource) -> None:
+        """Serve `source`'s weights (`ModelWorker.check_update`'s) from the next step on, with an
+        empty prefix cache (the KV of every cached prefix came from the old weights) and, with a
+        KV tier, a tier under the new weights' identity. Only between requests: the caller waits
+        for the running ones (`admission_paused` holds new ones back meanwhile)."""
+        assert not self.busy, "weights are updated only when no request holds KV"
+        self.worker.update_weights(source)
+        self.kv.flush()
+        if self.kv.tier is not None:
+            self.kv.tier.store.close()
+            self.kv.tier = _kv_tier(self.args, self.worker)
+            self.kv.cache.on_evict = self.kv.tier.save
+        self.admission_paused = False
+
     def flush_cache(self) -> bool:
         """Drop every cached prefix; only possible when no request is in flight."""
         if self.has_work:
@@ -536,7 +562,8 @@ class Scheduler:
 
     def _admit(self) -> Admitted:
         budget = step_budget(self.args, self.kv, self.running, self.chunked, self.new_token_ratio)
-        admitted = admit(self.args, self.kv, self.waiting, self.running, self.chunked, self.new_token_ratio, budget)
+        waiting = [] if self.admission_paused else self.waiting  # (a chunked prompt still goes on)
+        admitted = admit(self.args, self.kv, waiting, self.running, self.chunked, self.new_token_ratio, budget)
         self.chunked = admitted.chunked
         for req, e in admitted.faulted:
             self._fail_one(req, "admitting it", e)

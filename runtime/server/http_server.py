@@ -123,6 +123,24 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
             return error_response("cannot flush the cache while requests are running", 409)
         return Response("Cache flushed.\n", status_code=200)
 
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> JSONResponse:
+        """SGLang's: serve a checkpoint of the same model (`model_path`) from now on. Running requests
+        finish on the old weights (or, with `abort_all_requests`, are aborted) while new ones wait;
+        then the weights are swapped and the prefix cache flushed. Answers in SGLang's shape,
+        {success, message}, 400 for a checkpoint that cannot replace the served one."""
+        body = await json_body(request)
+        path, load_format, abort_all = body.get("model_path"), body.get("load_format"), body.get("abort_all_requests", False)
+        if not isinstance(path, str) or not path:
+            raise HTTPError("update_weights_from_disk needs 'model_path': a HF checkpoint directory or a .gguf file")
+        if load_format not in (None, "auto"):
+            raise HTTPError(f"load_format {load_format!r} is not supported: leave it out (or 'auto')")
+        if not isinstance(abort_all, bool):
+            raise HTTPError("'abort_all_requests' must be true or false")
+        out = await state.client.control("update_weights", {"model_path": path, "abort_all_requests": abort_all})
+        return JSONResponse({"success": out["success"], "message": out["message"]},
+                            status_code=200 if out["success"] else out.get("status", 400))
+
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         body = await json_body(request)

@@ -78,6 +78,7 @@ class TokenizerManager:
         self.from_scheduler = ipc.socket(self.ctx, zmq.PULL, from_scheduler, bind=True)
         self.in_flight: dict[str, _InFlight] = {}
         self.pending_control: dict[str, bytes] = {}
+        self.pending_updates: dict[str, str] = {}  # weight updates asked for: their model_path
         self.choice_groups: dict[str, ChoiceGroup] = {}
 
     def ready_info(self) -> dict:
@@ -178,6 +179,8 @@ class TokenizerManager:
                 "bos_token": getattr(self.tokenizer, "bos_token", None)}))
             return
         self.pending_control[msg.rid] = client
+        if msg.op == "update_weights":  # model_info names the weights served once it succeeds
+            self.pending_updates[msg.rid] = (msg.args or {}).get("model_path")
         self.to_scheduler.send(ipc.encode(msg))
 
     def _tokens(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -219,6 +222,9 @@ class TokenizerManager:
 
     def _from_scheduler(self, msg: Any) -> None:
         if isinstance(msg, ControlOutput):
+            path = self.pending_updates.pop(msg.rid, None)
+            if path is not None and msg.data.get("success"):
+                self.args.model_path = path
             client = self.pending_control.pop(msg.rid, None)
             if client is not None:
                 self._reply(client, msg)

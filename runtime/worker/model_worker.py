@@ -271,6 +271,40 @@ class ModelWorker:
                 out.top_logprob_ids = s.top_logprob_ids.tolist()
         return out
 
+    # ---- weights updated in place -----------------------------------------------------------
+
+    def check_update(self, path: str) -> ModelSource:
+        """The checkpoint at `path` if it can replace the served weights: this model exactly (its
+        config equal: every shape, and everything the layers compute with), on one rank. Raises
+        ValueError naming what differs."""
+        if self.tp.size > 1:
+            raise ValueError("weights cannot be updated with --tp-size above 1 yet")
+        try:
+            source = resolve_model(path)
+            config = load_config(source)
+        except (OSError, ValueError) as e:
+            raise ValueError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - whatever an unreadable config raises: the caller's input
+            raise ValueError(f"cannot read the model at {path!r}: {type(e).__name__}: {e}") from None
+        if config != self.config:
+            now, new = asdict(self.config), asdict(config)
+            differ = [f"{k} {new[k]!r} (served: {now[k]!r})" for k in now if now[k] != new[k]]
+            raise ValueError(f"the model at {path!r} is not the served model's shape: " + "; ".join(differ[:4]))
+        return source
+
+    def update_weights(self, source: ModelSource) -> None:
+        """Serve the weights of `source` (`check_update`'s) from the next step on: loaded and laid
+        out for the kernels as at start-up, then swapped in with everything that holds them (the
+        native decoder, the linear mode, CUDA graphs). The caller runs no step meanwhile and
+        flushes the prefix cache after."""
+        model = self._load_model(source, self.config, self.tp)
+        quantization = self._quantization(model)
+        self.model, self.quantization, self.source = model, quantization, source
+        self.linear_mode = self._linear_mode(model)
+        self.native_decoder = NativeDecoder.build(self)
+        if self.graph_runner is not None:
+            self.graph_runner = self._graph_runner()
+
     def _resolve_future(self, ids: torch.Tensor) -> torch.Tensor:
         """The previous step's sampled tokens in place of their placeholders (`future_id`), on the
         device. A placeholder of a step that failed reads some token: its request failed with it,

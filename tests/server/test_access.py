@@ -37,7 +37,8 @@ def test_a_missing_or_wrong_key_gets_401(header):
     client = app(api_key="secret")
     headers = {"Authorization": header} if header is not None else {}
     for method, path in (("GET", "/v1/models"), ("GET", "/get_model_info"), ("POST", "/generate"),
-                         ("POST", "/v1/chat/completions"), ("GET", "/metrics"), ("GET", "/nowhere")):
+                         ("POST", "/v1/chat/completions"), ("GET", "/metrics"), ("POST", "/update_weights_from_disk"),
+                         ("GET", "/nowhere")):
         r = client.request(method, path, headers=headers, json={"text": "hi"} if method == "POST" else None)
         assert r.status_code == 401, (method, path, r.status_code)
         assert "API key" in r.json()["error"]["message"]

@@ -74,7 +74,7 @@ def test_cache_aware_routing_beats_round_robin(replicas, capsys):
     assert rates["cache_aware"] > rates["round_robin"] + 0.1, rates
 
 
-def test_answers_equal_a_replicas_own_and_streams_pass_through(replicas, tiny_llama):
+def test_answers_equal_a_replicas_own_and_streams_pass_through(replicas, tiny_llama, tmp_path):
     url, proc = start_router([s.url for s in replicas], "cache_aware")
     try:
         body = {"input_ids": tiny_llama.prompts[0], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
@@ -94,6 +94,14 @@ def test_answers_equal_a_replicas_own_and_streams_pass_through(replicas, tiny_ll
         assert one.status_code == 200 and one.json()["id"] == models[0]["id"], one.text
         bad = httpx.post(url + "/generate", content=b"{not json", timeout=30)
         assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
+        # a weight update reaches every replica (the same weights, under another path: both then name it)
+        alias = str(tmp_path / "the-same-weights")
+        os.symlink(tiny_llama.path, alias)
+        r = httpx.post(url + "/update_weights_from_disk", json={"model_path": alias}, timeout=300)
+        assert r.status_code == 200 and r.json()["success"], r.text
+        assert [httpx.get(s.url + "/get_model_info", timeout=10).json()["model_path"] for s in replicas] == [alias] * 2
+        r = httpx.post(url + "/update_weights_from_disk", json={"model_path": alias + "-missing"}, timeout=60)
+        assert r.status_code == 400 and "does not exist" in r.json()["message"], r.text
     finally:
         proc.terminate()
         proc.wait(30)
