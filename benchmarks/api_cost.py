@@ -1,6 +1,8 @@
 """What the Messages API, /tokenize, /v1/embeddings and /v1/rerank cost per request beside plain
 chat generation: one `radixlm serve` (the defaults, SmolLM2), each path timed in turns on the
-same prompt, medians of repeated calls, two rounds (the spread is the machine's noise).
+same prompt, medians of repeated calls, two rounds (the spread is the machine's noise). Last,
+what /update_weights_from_disk takes with no request running (the same file again: read, laid
+out for the kernels, swapped in, the cache flushed), three times.
 
     python benchmarks/api_cost.py
 """
@@ -16,6 +18,7 @@ import time
 import httpx
 
 from radixlm.runtime.launch import wait_until_serving
+from radixlm.runtime.model_config import default_model_path
 
 PORT = 30117
 URL = f"http://127.0.0.1:{PORT}"
@@ -61,6 +64,13 @@ def main() -> None:
         rounds = [{name: median_ms(call) for name, call in CALLS.items()} for _ in range(2)]
         for name in CALLS:
             print(f"| {name} | {rounds[0][name]:.1f} | {rounds[1][name]:.1f} |")
+        path = default_model_path()  # what the server serves (it was started without --model-path)
+        updates = []
+        for _ in range(3):
+            started = time.perf_counter()
+            post("/update_weights_from_disk", {"model_path": path})
+            updates.append((time.perf_counter() - started) * 1e3)
+        print(f"\n/update_weights_from_disk (the served file again, idle): {', '.join(f'{u:.0f}' for u in updates)} ms")
     finally:
         server.send_signal(signal.SIGINT)
         server.wait(60)
