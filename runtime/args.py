@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,11 @@ class ServerArgs:
                 "everything the prefix cache holds), each on every step; or auto (both, on the steps where the "
                 "measured step cost and each request's acceptance rate say it pays: it switches itself off under load); "
                 "draft (from a smaller model of the same tokenizer, --speculative-draft-model)"})
+    lora_paths: list[str] | None = field(default=None, metadata={
+        "help": "LoRA adapters (PEFT format) served beside the base model: name=path ... (or path: named by "
+                "its folder); a request names one (native lora_path, OpenAI model)"})
+    max_loras_per_batch: int = field(default=8, metadata={"help": "most distinct adapters in one step"})
+    max_lora_rank: int = field(default=64, metadata={"help": "largest LoRA rank accepted"})
     speculative_draft_model: str | None = field(default=None, metadata={
         "help": "HF checkpoint directory or .gguf file of the draft model for --speculative draft (implies it): "
                 "a smaller model with the target's vocabulary, its KV in the target's pages"})
@@ -132,6 +138,16 @@ class ServerArgs:
             raise ValueError(f"linear_kernel must be auto, torch or onednn, got {self.linear_kernel!r}")
         if self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.speculative!r}")
+        if self.lora_paths:
+            names = [name for name, _ in self.lora_adapters()]
+            if len(set(names)) != len(names):
+                raise ValueError(f"--lora-paths names an adapter twice: {names}")
+            if self.tp_size > 1:
+                raise ValueError("LoRA adapters run with --tp-size 1 only")
+            if self.kv_tier_path is not None:
+                raise ValueError("LoRA adapters and --kv-tier-path do not go together yet (the tier keys KV by tokens alone)")
+        if self.max_loras_per_batch < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras_per_batch and max_lora_rank must be >= 1")
         if self.speculative_draft_model is not None and self.speculative == "off":
             self.speculative = "draft"
         if (self.speculative == "draft") != (self.speculative_draft_model is not None):
@@ -189,6 +205,9 @@ class ServerArgs:
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", help=help_text)
                 continue
+            if str(f.type).startswith("list"):
+                parser.add_argument(flag, nargs="*", default=f.default, help=help_text)
+                continue
             kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
             parser.add_argument(flag, type=kind, default=f.default, help=help_text)
 
@@ -199,8 +218,12 @@ class ServerArgs:
             value = getattr(self, f.name)
             if value != f.default:
                 flag = "--" + f.name.replace("_", "-")
-                flags += [flag] if value is True else [flag, str(value)]
+                flags += [flag] if value is True else [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
         return flags
+
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """(name, path) of each --lora-paths entry."""
+        return lora_adapters(self.lora_paths)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
@@ -213,3 +236,14 @@ class ServerArgs:
         if unknown:
             raise TypeError(f"unknown runtime option(s) {unknown}; allowed: {sorted(names)}")
         return cls(**kwargs)
+
+
+def lora_adapters(entries: list[str] | None) -> list[tuple[str, str]]:
+    """(name, path) of each --lora-paths entry: name=path, or a path named by its last folder."""
+    out = []
+    for entry in entries or []:
+        name, sep, path = entry.partition("=")
+        if not sep:
+            name, path = os.path.basename(os.path.normpath(entry)), entry
+        out.append((name, path))
+    return out

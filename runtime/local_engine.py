@@ -43,7 +43,8 @@ class LocalEngine(GenerateAPI):
         self.scheduler = Scheduler(self.args, self.worker, decode=self._decode_plain if tokenizer else None,
                                    grammar=grammar)
         self.prep = RequestPreparer(tokenizer, self.worker.config.vocab_size, self.worker.context_length,
-                                    self.worker.num_pages * self.worker.page_size, self.args.reasoning_parser)
+                                    self.worker.num_pages * self.worker.page_size, self.args.reasoning_parser,
+                                    list(self.worker.loras))
 
     def _decode_plain(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

@@ -33,6 +33,7 @@ class GenerateRequest:
     return_text_in_logprobs: bool = False  # logprob entries become [logprob, id, text]
     stream: bool = False
     embed: str | None = None  # "last" or "mean": the prompt's final hidden states pooled (/encode), no output
+    lora_path: str | None = None  # the LoRA adapter (by name) the request runs on; None: the base model
 
 
 @dataclass
@@ -96,6 +97,7 @@ class TokenizedRequest:
     # constraint_key of sampling_params) or None: worked out once, by prepare, and carried
     constraint: tuple[str, str] | None = CONSTRAINT_NOT_GIVEN
     embed: str | None = None  # the prompt's hidden states pooled ("last", "mean") instead of an output
+    lora_path: str | None = None  # a served LoRA adapter's name (checked by prepare)
 
     def __post_init__(self) -> None:
         if isinstance(self.constraint, list):  # JSON has no tuples (ipc); a key must be hashable

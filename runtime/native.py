@@ -27,7 +27,7 @@ class BadRequest(ValueError):
 
 NATIVE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
                  "top_logprobs_num", "return_text_in_logprobs", "rid", "messages", "tools",
-                 "chat_template_kwargs", "require_reasoning", "log_metrics"}
+                 "chat_template_kwargs", "require_reasoning", "log_metrics", "lora_path"}
 # Fields of SGLang's generate request for features radixlm does not have, and what is missing:
 # accepted when unset (None, false, 0, empty: clients send them so), else refused with a 400.
 UNSUPPORTED_FIELDS = {
@@ -35,7 +35,7 @@ UNSUPPORTED_FIELDS = {
                      "use_audio_in_video", "video_config"), "multimodal input (the models served are text-only)"),
     "input_embeds": "input embeddings (send text or input_ids)",
     **dict.fromkeys(("session_id", "session_params"), "sessions (the radix cache shares prefixes without them)"),
-    **dict.fromkeys(("lora_path", "lora_id"), "LoRA adapters"),
+    "lora_id": "LoRA adapters by id (name one with lora_path)",
     "custom_logit_processor": "custom logit processors",
     "token_ids_logprob": "logprobs of chosen token ids (use top_logprobs_num)",
     **dict.fromkeys(("return_hidden_states", "return_routed_experts", "routed_experts_start_len",
@@ -95,6 +95,8 @@ GENERATE_BODY_SCHEMA = {
         "return_logprob": {"anyOf": [_BOOL, {"type": "array", "items": _BOOL}]},
         **dict.fromkeys(("logprob_start_len", "top_logprobs_num"), {"anyOf": [_INT, {"type": "array", "items": _INT}]}),
         "rid": {"anyOf": [_STR, {"type": "array", "items": _STR}]},
+        # a served LoRA adapter's name (--lora-paths), for every prompt or one per prompt (null: the base model)
+        "lora_path": {"anyOf": [_STR, {"type": "array", "items": {"anyOf": [_STR, {"type": "null"}]}}]},
     },
     "additionalProperties": False,
 }
@@ -131,6 +133,7 @@ def native_requests(body: dict[str, Any]) -> tuple[list[GenerateRequest], bool]:
     return_logprob = _per_prompt(body, "return_logprob", False, len(prompts), bool)
     start_len = _per_prompt(body, "logprob_start_len", -1, len(prompts), int)
     top_num = _per_prompt(body, "top_logprobs_num", 0, len(prompts), int)
+    lora = _per_prompt(body, "lora_path", None, len(prompts), str)
     reqs = []
     for i, (prompt, p) in enumerate(zip(prompts, param_list)):
         n = p.get("n", 1)
@@ -155,6 +158,7 @@ def native_requests(body: dict[str, Any]) -> tuple[list[GenerateRequest], bool]:
                 top_logprobs_num=top_num[i],
                 return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
                 stream=bool(body.get("stream", False)),
+                lora_path=lora[i],
             ))
     return reqs, single and len(reqs) == 1
 
@@ -205,9 +209,9 @@ def _per_prompt(body: dict[str, Any], key: str, default: Any, count: int, kind: 
     value = body.get(key)
     values = [default if v is None else v for v in value] if isinstance(value, list) else [
         default if value is None else value] * count
-    name = "a boolean" if kind is bool else "an integer"
-    if len(values) != count or not all(isinstance(v, kind) and (kind is bool or not isinstance(v, bool))
-                                       for v in values):
+    name = {bool: "a boolean", int: "an integer", str: "a string"}[kind]
+    if len(values) != count or not all((v is None and default is None) or isinstance(v, kind)
+                                       and (kind is bool or not isinstance(v, bool)) for v in values):
         raise BadRequest(f"'{key}' must be {name}, or a list of {count} (one per prompt)")
     return values
 

@@ -114,6 +114,8 @@ def admit(args: ServerArgs, kv: KVManager, waiting: list[Req], running: list[Req
         return any(r is req for r, _ in out.faulted)
 
     room = args.max_running_requests - len(running) - len(out.reqs)
+    # LoRA adapters in the step: at most --max-loras-per-batch distinct ones
+    adapters = {r.lora for r in [*running, *out.reqs] if r.lora is not None}
     for req in order_waiting(args.schedule_policy, waiting, match) if room > 0 else []:
         if len(running) + len(out.reqs) >= args.max_running_requests or out.chunked is not None:
             break
@@ -122,6 +124,8 @@ def admit(args: ServerArgs, kv: KVManager, waiting: list[Req], running: list[Req
         if faulted(req):
             waiting.remove(req)
             continue
+        if req.lora is not None and req.lora not in adapters and len(adapters) >= args.max_loras_per_batch:
+            continue  # its adapter would be one too many in this step
         first = not out.reqs
         alone = first and not running  # nothing to wait for: admit if the prompt itself fits
         try:
@@ -139,6 +143,8 @@ def admit(args: ServerArgs, kv: KVManager, waiting: list[Req], running: list[Req
         waiting.remove(req)
         out.reqs.append(req)
         out.lens.append(n)
+        if req.lora is not None:
+            adapters.add(req.lora)
         if n < req.extend_len:
             out.chunked = req
     return out

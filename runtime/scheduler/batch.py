@@ -191,6 +191,11 @@ def to_worker_batch(b: ScheduledBatch, kv: KVManager, device: torch.device) -> W
         return_logprob=any(r.return_logprob for r in b.sampled) or bool(b.logprob_spans),
         top_logprobs_num=max([r.top_logprobs_num for r in b.reqs if r.return_logprob] or [0]),
     )
+    if any(r.lora is not None for r in b.reqs):  # each token's adapter, among the step's
+        wb.lora_names = sorted({r.lora for r in b.reqs if r.lora is not None})
+        index = {name: i for i, name in enumerate(wb.lora_names)}
+        per_req = np.fromiter((-1 if r.lora is None else index[r.lora] for r in b.reqs), np.int64, len(b.reqs))
+        (wb.lora_rows,) = stage([np.repeat(per_req, lens)], device)
     if b.logprob_spans:
         wb.prompt_rows, wb.prompt_targets = _prompt_logprob_inputs(b, device)
     if b.embed_spans:

@@ -96,6 +96,12 @@ class KVManager:
         self.cache: PrefixCache = (RadixCache(self.allocator, continuations, tier.save if tier else None) if use_radix
                                    else NoPrefixCache(self.allocator))
         self._offsets = torch.arange(page_size, device=device)
+        self._namespaces: dict[str, int] = {}  # LoRA adapter -> where its keys begin (past every token id)
+
+    def lora_namespace(self, name: str) -> int:
+        """The offset of an adapter's keys in the radix cache: a range of 2^32 of its own, so that a
+        prefix computed under one adapter is never matched under another or the base model."""
+        return self._namespaces.setdefault(name, (len(self._namespaces) + 1) << 32)
 
     # ---- capacity ----------------------------------------------------------------------------
 
@@ -121,7 +127,7 @@ class KVManager:
         """The cached prefix a request can start from: the tree's longest match, cut back (for a
         sliding-window model) to the longest page-aligned prefix whose last window is still
         bound, which the request's first new token reads."""
-        tokens = req.tokens(0, self._match_limit(req))
+        tokens = req.cache_key(0, self._match_limit(req))
         m = self.cache.match_prefix(tokens)
         if self.window is None or not len(m.slots):
             return m
@@ -194,7 +200,7 @@ class KVManager:
     def release(self, req: Req) -> None:
         """Hand a finished or retracted request's KV to the prefix cache and free its row."""
         slots = self.table.table[req.row, : req.cached_len]
-        self.cache.cache_request(req.tokens(0, req.cached_len), slots, req.prefix_len, req.node)
+        self.cache.cache_request(req.cache_key(0, req.cached_len), slots, req.prefix_len, req.node)
         self.table.free_row(req.row)
         req.row, req.node, req.prefix_len, req.cached_len = None, None, 0, 0
 
@@ -222,7 +228,7 @@ class KVManager:
                 return
             self.drop_windows([req], np.array([req.cached_len]))
         slots = self.table.table[req.row, : req.cached_len]
-        m = self.cache.cache_unfinished(req.tokens(0, req.cached_len), slots, req.prefix_len, req.node)
+        m = self.cache.cache_unfinished(req.cache_key(0, req.cached_len), slots, req.prefix_len, req.node)
         if len(m.slots) > req.prefix_len:
             self.table.table[req.row, : len(m.slots)] = m.slots
             if self.window is not None:  # the tree's copy is bound wherever the request's was

@@ -50,6 +50,10 @@ class Req:
         self.top_logprobs_num = tr.top_logprobs_num
         self.logprob_start_len = tr.logprob_start_len
         self.embed = tr.embed  # "last" / "mean": an embedding request (no output)
+        self.lora = tr.lora_path  # its LoRA adapter's name (None: the base model)
+        # its prefixes' keys in the radix cache: a LoRA request's tokens moved to a range of their
+        # own per adapter (KVManager.lora_namespace), so no prefix is shared across adapters
+        self.key_offset = 0
         self.embed_sum: Any = None  # its pooled hidden states so far (a tensor), and how many
         self.embed_count = 0
         self.row: int | None = None
@@ -129,5 +133,11 @@ class Req:
             return self.prompt_ids[start:end]
         return self.prompt_ids[start:] + self.output_ids[max(start - n, 0) : end - n]
 
+    def cache_key(self, start: int, end: int) -> list[int]:
+        """`tokens(start, end)` as the radix cache keys them (`key_offset`)."""
+        tokens = self.tokens(start, end)
+        return tokens if not self.key_offset else [t + self.key_offset for t in tokens]
+
     def __repr__(self) -> str:
         return f"Req({self.rid!r}, prompt={self.prompt_len}, out={len(self.output_ids)}, cached={self.cached_len})"
+

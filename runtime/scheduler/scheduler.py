@@ -154,6 +154,8 @@ class Scheduler:
         assert len(ids) + params.max_new_tokens <= self.context_length, f"{tr.rid}: does not fit the context"
         assert pages_for(len(ids), self.kv.page_size) <= self.kv.num_pages, f"{tr.rid}: the prompt outgrows the pool"
         req = Req(tr, self._arrivals)
+        if req.lora is not None:
+            req.key_offset = self.kv.lora_namespace(req.lora)
         req.grammar_key = tr.constraint  # worked out once, by prepare
         if req.grammar_key is CONSTRAINT_NOT_GIVEN:  # a request made by hand (tests, benchmarks)
             req.grammar_key = constraint_key(tr.sampling_params)

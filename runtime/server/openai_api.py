@@ -34,10 +34,12 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
     # One model is served, so a request's `model` is not checked (as SGLang does): any name means it.
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [_model_card(state)]}
+        return {"object": "list", "data": [_model_card(state)] + [_adapter_card(state, name) for name in state.loras]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict:
+        if model in state.loras:
+            return _adapter_card(state, model)
         if model != state.model_name:
             raise HTTPError(f"model {model!r} does not exist; this server serves {state.model_name!r}", 404)
         return _model_card(state)
@@ -67,7 +69,7 @@ async def _run(request: Request, state: ServerState, body: dict[str, Any], req: 
                build: Callable[[list[dict[str, Any]], str], dict[str, Any]],
                tools: ToolReader | None = None, reasoning: ReasoningReader | None = None) -> Response:
     """Run a converted request: stream chunks, or wait for every result and `build` the answer."""
-    reqs, _ = native_requests(body)
+    reqs, _ = native_requests({**body, "lora_path": state.lora_for(req.model)})
     rid = new_request_id()
     if req.stream:
         return await sse_response(_stream(state, reqs, req, rid, chat, tools, reasoning))
@@ -100,7 +102,8 @@ class ChatRun:
     def __init__(self, state: ServerState, chat: Any) -> None:
         parser = state.server_args.get("reasoning_parser")
         self.state = state
-        self.reqs, _ = native_requests(chat_body(chat, reasoning_format(parser) if parser else None))
+        body = chat_body(chat, reasoning_format(parser) if parser else None)
+        self.reqs, _ = native_requests({**body, "lora_path": state.lora_for(chat.model)})
         self.tools, self.reasoning = ToolReader.of(chat), ReasoningReader.of(chat, parser)
 
     def choice_stream(self) -> ChoiceStream:
@@ -128,6 +131,11 @@ def parse_request(model: type[BaseModel], body: dict[str, Any]) -> Any:
 def _model_card(state: ServerState) -> dict[str, Any]:
     return {"id": state.model_name, "object": "model", "created": state.started, "owned_by": "radixlm",
             "max_model_len": state.info.get("context_length")}
+
+
+def _adapter_card(state: ServerState, name: str) -> dict[str, Any]:
+    """A LoRA adapter as vLLM lists one: its own id, the base model as parent."""
+    return {**_model_card(state), "id": name, "root": state.loras[name], "parent": state.model_name}
 
 
 def _echo_prompts(req: CompletionRequest, results: list[dict[str, Any]]) -> list[str] | None:

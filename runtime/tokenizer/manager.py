@@ -90,7 +90,7 @@ class TokenizerManager:
         limits = ipc.decode(self.from_scheduler.recv())
         assert isinstance(limits, SchedulerLimits), limits
         self.prep = RequestPreparer(self.tokenizer, self.vocab_size, self.context_length, limits.kv_pool_tokens,
-                                    self.args.reasoning_parser)
+                                    self.args.reasoning_parser, [name for name, _ in self.args.lora_adapters()])
         poller = zmq.Poller()
         poller.register(self.clients, zmq.POLLIN)
         poller.register(self.from_scheduler, zmq.POLLIN)

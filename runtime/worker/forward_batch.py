@@ -66,6 +66,10 @@ class WorkerBatch(StepTokens):
     prompt_targets: torch.Tensor | None = None  # [P] the token that follows each of them
     embed_rows: torch.Tensor | None = None  # [E] packed-token indices whose final hidden state is pooled
     window_slots: torch.Tensor | None = None  # [T] out_slots in the sliding layers' slot space (window pages)
+    # LoRA (lora.py): the step's adapters, and each token's index among them (-1: the base model);
+    # None where no row has one
+    lora_names: list[str] = field(default_factory=list)
+    lora_rows: torch.Tensor | None = None
     # overlap scheduling: input ids <= FUTURE_BASE are the previous step's sampled tokens, not yet
     # known when this step was built (-(id - FUTURE_BASE) is the sample row), read on the device
     future_ids: bool = False

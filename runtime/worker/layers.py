@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm.runtime.worker import lora
 from radixlm.runtime.worker.gemm import linear
 from radixlm.runtime.worker.loader import Weight
 from radixlm.runtime.worker.parallel import TPContext
@@ -96,7 +97,7 @@ class MergedColumnLinear(nn.Module):
             _keep_blocks(param, loaded, lambda: loaded.row_blocks(first, size), slice(at, at + size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return lora.apply(self, x, linear(x, self.weight, self.bias))
 
 
 class RowParallelLinear(nn.Module):
@@ -118,7 +119,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.tp.all_reduce(linear(x, self.weight))
-        return out if self.bias is None else out.add_(self.bias)
+        return lora.apply(self, x, out if self.bias is None else out.add_(self.bias))
 
 
 class VocabParallelEmbedding(nn.Module):

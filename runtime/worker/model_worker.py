@@ -13,7 +13,7 @@ import torch.distributed as dist
 from radixlm.runtime.args import ServerArgs
 from radixlm.runtime.cache.kv_pool import KVPool, ReqToTokenTable
 from radixlm.runtime.model_config import ModelConfig, ModelSource, load_config, resolve_model, weights_fingerprint
-from radixlm.runtime.worker import gemm, quant
+from radixlm.runtime.worker import gemm, lora, quant
 from radixlm.runtime.worker.attention.base import AttentionBackend
 from radixlm.runtime.worker.cuda_graph import DecodeGraphRunner
 from radixlm.runtime.worker.draft_model import DraftModel
@@ -108,6 +108,10 @@ class ModelWorker:
                                     self.attn_backend)
         self.graph_runner = self._graph_runner()
         self.native_decoder = NativeDecoder.build(self)
+        self.loras: dict[str, lora.LoraAdapter] = {}  # by name
+        self._lora_stacks: dict = {}  # each set of adapters' stacked pairs, per projection
+        for name, path in args.lora_adapters():
+            self.load_lora(name, path)
         self.sampler = Sampler()
         self._sampled = torch.zeros(1, dtype=torch.int64, device=self.device)  # the latest step's tokens
         torch.manual_seed(args.random_seed)
@@ -362,13 +366,34 @@ class ModelWorker:
                     self.model.compute_logits(hidden[b.sample_rows])
 
     def _hidden(self, b: WorkerBatch) -> torch.Tensor:
+        if b.lora_rows is not None:  # rows on adapters: op by op, each projection adding theirs
+            with lora.step([self.loras[n] for n in b.lora_names], b.lora_rows, self._lora_stacks):
+                return self._model_forward(b)
         if self.graph_runner is not None and self.graph_runner.fits(b):
             return self.graph_runner.run(b)
         if self.native_decoder is not None and self.native_decoder.fits(b, self.linear_mode):
             return self.native_decoder.run(b)
+        return self._model_forward(b)
+
+    def _model_forward(self, b: WorkerBatch) -> torch.Tensor:
         fb = ForwardBatch.of(b, self.kv_pool, self.req_to_token, self.attn_backend)
         self.attn_backend.prepare(fb)
         return self.model(fb)
+
+    # ---- LoRA adapters -----------------------------------------------------------------------
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as `name` (lora.LoraError names what cannot be)."""
+        if name in self.loras:
+            raise lora.LoraError(f"an adapter named {name!r} is already loaded")
+        if self.tp.size > 1:
+            raise lora.LoraError("LoRA adapters run with --tp-size 1 only")
+        if any(cfg.sparse(i) for cfg in [self.config] for i in range(cfg.num_layers)):
+            raise lora.LoraError(f"LoRA adapters on a mixture of experts ({self.config.architecture}) are not supported")
+        adapter = lora.load_adapter(name, path, self.model, self.args.max_lora_rank)
+        for site, (a, b) in adapter.pairs.items():
+            adapter.pairs[site] = (a.to(self.device, self.dtype), b.to(self.device, self.dtype))
+        self.loras[name] = adapter
 
     def _prompt_logprobs(self, hidden: torch.Tensor, b: WorkerBatch, out: WorkerOutput) -> None:
         logprobs = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
