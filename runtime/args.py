@@ -73,6 +73,9 @@ class ServerArgs:
                 "its folder); a request names one (native lora_path, OpenAI model)"})
     max_loras_per_batch: int = field(default=8, metadata={"help": "most distinct adapters in one step"})
     max_lora_rank: int = field(default=64, metadata={"help": "largest LoRA rank accepted"})
+    max_loaded_loras: int = field(default=0, metadata={
+        "help": "most adapters kept in memory (0: all): the least recently used one not in the step is "
+                "dropped and read from disk again when a request names it"})
     speculative_draft_model: str | None = field(default=None, metadata={
         "help": "HF checkpoint directory or .gguf file of the draft model for --speculative draft (implies it): "
                 "a smaller model with the target's vocabulary, its KV in the target's pages"})

@@ -124,6 +124,20 @@ class LocalEngine(GenerateAPI):
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Serve another PEFT adapter (lora.LoraError names what cannot be served)."""
+        self.worker.load_lora(lora_name, lora_path)
+        self.prep.loras.add(lora_name)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        from radixlm.runtime.worker.lora import LoraError
+
+        if self.scheduler.lora_users(lora_name):
+            raise LoraError(f"adapter {lora_name!r} is in use")
+        self.worker.unload_lora(lora_name)
+        self.scheduler.kv.retire_lora_namespace(lora_name)
+        self.prep.loras.discard(lora_name)
+
     def update_weights_from_disk(self, model_path: str) -> tuple[bool, str]:
         """As Engine's (between calls nothing runs here, so the update is made at once)."""
         try:

@@ -97,11 +97,19 @@ class KVManager:
                                    else NoPrefixCache(self.allocator))
         self._offsets = torch.arange(page_size, device=device)
         self._namespaces: dict[str, int] = {}  # LoRA adapter -> where its keys begin (past every token id)
+        self._next_namespace = 0
 
     def lora_namespace(self, name: str) -> int:
         """The offset of an adapter's keys in the radix cache: a range of 2^32 of its own, so that a
         prefix computed under one adapter is never matched under another or the base model."""
-        return self._namespaces.setdefault(name, (len(self._namespaces) + 1) << 32)
+        if name not in self._namespaces:
+            self._namespaces[name] = self._next_namespace = self._next_namespace + (1 << 32)
+        return self._namespaces[name]
+
+    def retire_lora_namespace(self, name: str) -> None:
+        """An adapter unloaded: an adapter loaded later under its name gets a namespace of its own
+        (what the tree holds under the old one is never matched again, and is evicted in turn)."""
+        self._namespaces.pop(name, None)
 
     # ---- capacity ----------------------------------------------------------------------------
 

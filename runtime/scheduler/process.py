@@ -121,8 +121,30 @@ class SchedulerProcess:
                 self._send([out])
         elif isinstance(msg, ControlRequest) and msg.op == "update_weights":
             self._begin_update(msg)
+        elif isinstance(msg, ControlRequest) and msg.op in ("load_lora", "unload_lora"):
+            self.outbox.send(ipc.encode(ControlOutput(msg.rid, self._lora_op(msg.op, msg.args or {}))))
         elif isinstance(msg, ControlRequest):
             self.outbox.send(ipc.encode(ControlOutput(msg.rid, self._control(msg.op))))
+
+    def _lora_op(self, op: str, args: dict) -> dict:
+        """/load_lora_adapter, /unload_lora_adapter: an adapter checked and laid out (or dropped)
+        between steps. One that requests still name is not unloaded (409)."""
+        from radixlm.runtime.worker.lora import LoraError
+
+        name = args.get("lora_name")
+        try:
+            if op == "load_lora":
+                self.worker.load_lora(name, args.get("lora_path"))
+                return {"success": True, "message": f"adapter {name!r} loaded"}
+            users = self.scheduler.lora_users(name)
+            if users:
+                return {"success": False, "status": 409,
+                        "message": f"adapter {name!r} is in use by {users} request(s): unload it once they end"}
+            self.worker.unload_lora(name)
+            self.scheduler.kv.retire_lora_namespace(name)  # a later adapter of that name shares nothing cached
+            return {"success": True, "message": f"adapter {name!r} unloaded"}
+        except (LoraError, OSError) as e:
+            return {"success": False, "status": 400, "message": str(e)}
 
     def _begin_update(self, msg: ControlRequest) -> None:
         """/update_weights_from_disk: the checkpoint checked now (a bad one is answered at once);

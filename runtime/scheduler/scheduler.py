@@ -251,6 +251,10 @@ class Scheduler:
                 "steps_per_s": len(recent) / window_s,
                 "last_step": None if last is None else {**last._asdict(), "seconds_ago": now - last.at}}
 
+    def lora_users(self, name: str) -> int:
+        """How many requests not yet ended run on the LoRA adapter `name`."""
+        return sum(r.lora == name for r in self._live.values())
+
     @property
     def live_ids(self) -> list[str]:
         """The ids of every request not yet ended."""

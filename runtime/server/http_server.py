@@ -141,6 +141,37 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
         return JSONResponse({"success": out["success"], "message": out["message"]},
                             status_code=200 if out["success"] else out.get("status", 400))
 
+    async def lora_op(request: Request, op: str) -> JSONResponse:
+        body = await json_body(request)
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise HTTPError(f"{op.replace('_', ' ')} needs 'lora_name': the adapter's name")
+        args = {"lora_name": name}
+        if op == "load_lora":
+            if not isinstance(body.get("lora_path"), str):
+                raise HTTPError("load_lora_adapter needs 'lora_path': a PEFT adapter's folder")
+            args["lora_path"] = body["lora_path"]
+        out = await state.client.control(op, args)
+        if out["success"]:  # the OpenAI API's `model` names it (or no longer)
+            if op == "load_lora":
+                state.loras[name] = args["lora_path"]
+            else:
+                state.loras.pop(name, None)
+        return JSONResponse({"success": out["success"], "message": out["message"]},
+                            status_code=200 if out["success"] else out.get("status", 400))
+
+    @app.post("/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> JSONResponse:
+        """SGLang's and vLLM's: {lora_name, lora_path} -> a PEFT adapter served from now on."""
+        return await lora_op(request, "load_lora")
+
+    @app.post("/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> JSONResponse:
+        """{lora_name}: the adapter dropped (409 while requests still name it)."""
+        return await lora_op(request, "unload_lora")
+
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         body = await json_body(request)

@@ -51,6 +51,10 @@ def linear_mode(mode: LinearMode) -> Iterator[None]:
         _mode.reset(token)
 
 
+def current_mode() -> LinearMode:
+    return _mode.get()
+
+
 # the batch size oneDNN is told to expect when it lays a weight out; any other batch size runs on
 # the same layout, bitwise as on the plain weight (16 and 64 ran alike: benchmarks/linear_batch.py)
 PACK_ROWS = 16

@@ -16,6 +16,7 @@ no adapter row costs nothing here.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -41,12 +42,16 @@ class LoraError(ValueError):
     """An adapter that cannot be served with this model (the message names why)."""
 
 
+_serial = itertools.count()
+
+
 @dataclass
 class LoraAdapter:
     name: str
     path: str
     rank: int  # the largest of its modules'
     pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # site -> (A [R, in], B [out, R])
+    uid: int = field(default_factory=lambda: next(_serial))  # this reading of it (the stacks' key)
 
 
 def sites(model: nn.Module) -> dict[str, nn.Module]:
@@ -138,7 +143,9 @@ class LoraStep:
         self.adapters, self.rows, self._cache = adapters, rows, cache
 
     def delta(self, site: str, x: torch.Tensor) -> torch.Tensor | None:
-        key = (tuple(id(a) for a in self.adapters), site)
+        if gemm.current_mode().invariant:
+            return self._delta_invariant(site, x)
+        key = (tuple(a.uid for a in self.adapters), site)
         stacked = self._cache.get(key)
         if stacked is None:
             pairs = [a.pairs.get(site) for a in self.adapters]
@@ -158,6 +165,20 @@ class LoraStep:
         mask = (self.rows[:, None] == owner[None, :]).to(x.dtype)  # each row's own adapter's columns
         shrunk = gemm.linear(x, A) * mask
         return gemm.linear(shrunk, B)
+
+    def _delta_invariant(self, site: str, x: torch.Tensor) -> torch.Tensor | None:
+        """--deterministic: each adapter's pair on its own (batch-invariant matmuls of its own
+        shapes), so a row's sums never depend on which other adapters share its step; the other
+        adapters add exact zeros to it."""
+        out = None
+        for i, adapter in enumerate(self.adapters):
+            pair = adapter.pairs.get(site)
+            if pair is None:
+                continue
+            keep = (self.rows == i).to(x.dtype)[:, None]
+            part = gemm.linear(gemm.linear(x, pair[0]) * keep, pair[1])
+            out = part if out is None else out + part
+        return out
 
 
 _step: ContextVar[LoraStep | None] = ContextVar("lora_step", default=None)

@@ -367,7 +367,7 @@ class ModelWorker:
 
     def _hidden(self, b: WorkerBatch) -> torch.Tensor:
         if b.lora_rows is not None:  # rows on adapters: op by op, each projection adding theirs
-            with lora.step([self.loras[n] for n in b.lora_names], b.lora_rows, self._lora_stacks):
+            with lora.step(self._resident_loras(b.lora_names), b.lora_rows, self._lora_stacks):
                 return self._model_forward(b)
         if self.graph_runner is not None and self.graph_runner.fits(b):
             return self.graph_runner.run(b)
@@ -386,14 +386,47 @@ class ModelWorker:
         """Serve the PEFT adapter at `path` as `name` (lora.LoraError names what cannot be)."""
         if name in self.loras:
             raise lora.LoraError(f"an adapter named {name!r} is already loaded")
+        if not isinstance(name, str) or not name or name == self.args.served_model_name:
+            raise lora.LoraError(f"{name!r} cannot name an adapter")
+        if not isinstance(path, str) or not os.path.isdir(path):
+            raise lora.LoraError(f"adapter {name!r}: {path!r} is not a folder")
         if self.tp.size > 1:
             raise lora.LoraError("LoRA adapters run with --tp-size 1 only")
         if any(cfg.sparse(i) for cfg in [self.config] for i in range(cfg.num_layers)):
             raise lora.LoraError(f"LoRA adapters on a mixture of experts ({self.config.architecture}) are not supported")
+        self.loras[name] = self._read_lora(name, path)
+        self._resident_loras([])  # within --max-loaded-loras
+
+    def _resident_loras(self, names: list[str]) -> list[lora.LoraAdapter]:
+        """The step's adapters, in memory: one dropped by the LRU (--max-loaded-loras) is read
+        again; then the least recently used beyond the limit, none of this step's, are dropped."""
+        adapters = []
+        for name in names:
+            adapter = self.loras.pop(name)
+            if not adapter.pairs:
+                adapter = self._read_lora(name, adapter.path)
+            self.loras[name] = adapter  # the most recently used last
+            adapters.append(adapter)
+        limit = self.args.max_loaded_loras
+        if limit:
+            resident = [a for a in self.loras.values() if a.pairs]
+            for adapter in resident[: max(len(resident) - limit, 0)]:
+                if adapter.name not in names:
+                    adapter.pairs = {}
+                    self._lora_stacks.clear()
+        return adapters
+
+    def _read_lora(self, name: str, path: str) -> lora.LoraAdapter:
         adapter = lora.load_adapter(name, path, self.model, self.args.max_lora_rank)
         for site, (a, b) in adapter.pairs.items():
             adapter.pairs[site] = (a.to(self.device, self.dtype), b.to(self.device, self.dtype))
-        self.loras[name] = adapter
+        return adapter
+
+    def unload_lora(self, name: str) -> None:
+        if name not in self.loras:
+            raise lora.LoraError(f"no adapter named {name!r} is loaded")
+        del self.loras[name]
+        self._lora_stacks.clear()  # (stacks of sets with it would hold its memory)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, b: WorkerBatch, out: WorkerOutput) -> None:
         logprobs = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)

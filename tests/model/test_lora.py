@@ -86,3 +86,101 @@ def test_bad_adapters_and_unknown_names_are_refused(tiny_llama, adapters, tmp_pa
             engine.generate(input_ids=tiny_llama.prompts[0], sampling_params=GREEDY, lora_path="nope")
     finally:
         engine.shutdown()
+
+
+def test_deterministic_lora_rows_are_bitwise_the_same_alone_and_mixed(tiny_llama, adapters):
+    """--deterministic: a row's tokens and logprobs do not depend on the adapters beside it."""
+    names = ["attn", "mlp", None, "mixed"]
+    prompts = tiny_llama.prompts[:4]
+    engine = tiny_llama.engine(lora_paths=[f"{n}={adapters[n][0]}" for n in SPECS], deterministic=True,
+                               overlap_schedule="off")
+    try:
+        params = {**GREEDY, "max_new_tokens": 8}
+        alone = [engine.generate(input_ids=p, sampling_params=params, lora_path=n, return_logprob=True)
+                 for p, n in zip(prompts, names)]
+        engine.flush_cache()
+        mixed = engine.generate(input_ids=prompts, sampling_params=params, lora_path=names, return_logprob=True)
+        for a, m in zip(alone, mixed):
+            assert a["output_ids"] == m["output_ids"]
+            assert a["meta_info"]["output_token_logprobs"] == m["meta_info"]["output_token_logprobs"]
+        assert_drained(engine)
+    finally:
+        engine.shutdown()
+
+
+def _peft_adapter(base_path: str, out: str, seed: int, **spec) -> str:
+    import peft
+    import transformers
+
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **spec))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(out)
+    return out
+
+
+def test_adapters_over_http_by_name_and_loaded_at_run_time(tiny_qwen3, tmp_path):
+    """The OpenAI API's `model` names an adapter as the native `lora_path` does; /v1/models lists
+    the adapters; /load_lora_adapter and /unload_lora_adapter change what is served."""
+    import httpx
+    import openai
+
+    from server.conftest import LiveServer, assert_kv_clean
+
+    first = _peft_adapter(tiny_qwen3, str(tmp_path / "first"), 1, r=4, lora_alpha=8,
+                          target_modules=["q_proj", "v_proj", "down_proj"])
+    second = _peft_adapter(tiny_qwen3, str(tmp_path / "second"), 2, r=2, lora_alpha=2, target_modules=["o_proj"])
+    srv = LiveServer("--model-path", tiny_qwen3, "--lora-paths", f"first={first}")
+    try:
+        http = httpx.Client(base_url=srv.url, timeout=120)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+
+        def native(lora, status=200):
+            r = http.post("/generate", json={"text": "Once upon a time", "lora_path": lora,
+                                             "sampling_params": {"max_new_tokens": 12, "temperature": 0}})
+            assert r.status_code == status, r.text
+            return r.json()["text"] if status == 200 else r.json()["error"]["message"]
+
+        base_name = client.models.list().data[0].id
+        cards = {m.id: m for m in client.models.list().data}
+        assert set(cards) == {base_name, "first"} and cards["first"].model_extra["parent"] == base_name
+        via_openai = client.completions.create(model="first", prompt="Once upon a time", max_tokens=12,
+                                               temperature=0).choices[0].text
+        assert via_openai == native("first") != native(None)
+
+        r = http.post("/load_lora_adapter", json={"lora_name": "second", "lora_path": second})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        assert {m.id for m in client.models.list().data} == {base_name, "first", "second"}
+        assert native("second") not in (native("first"), native(None))
+        for body, status, named in (({"lora_name": "second", "lora_path": second}, 400, "already loaded"),
+                                    ({"lora_name": "third", "lora_path": str(tmp_path / "none")}, 400, "not a folder"),
+                                    ({"lora_name": "third"}, 400, "lora_path")):
+            r = http.post("/load_lora_adapter", json=body)
+            assert r.status_code == status and named in r.text, (body, r.text)
+        r = http.post("/v1/unload_lora_adapter", json={"lora_name": "second"})
+        assert r.status_code == 200, r.text
+        assert "unknown LoRA adapter 'second'" in native("second", status=400)
+        assert {m.id for m in client.models.list().data} == {base_name, "first"}
+        assert http.post("/unload_lora_adapter", json={"lora_name": "second"}).status_code == 400
+        assert_kv_clean(srv.url)
+    finally:
+        srv.stop()
+
+
+def test_adapters_beyond_max_loaded_loras_are_read_again_when_named(tiny_llama, adapters):
+    """--max-loaded-loras 1: each step's adapters are in memory (the others dropped, least recently
+    used first), and one dropped is read again when a request names it: the same tokens as peft."""
+    engine = tiny_llama.engine(lora_paths=[f"{n}={adapters[n][0]}" for n in SPECS], max_loaded_loras=1)
+    try:
+        prompt = tiny_llama.prompts[0]
+        for name in ("attn", "mlp", "attn", "mixed"):
+            out = engine.generate(input_ids=prompt, sampling_params=GREEDY, lora_path=name)
+            assert_matches(out["output_ids"], hf_greedy(adapters[name][1], [prompt], NEW_TOKENS)[0], name)
+            assert [n for n, a in engine.worker.loras.items() if a.pairs] == [name]
+        assert_drained(engine)
+    finally:
+        engine.shutdown()

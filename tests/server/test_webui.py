@@ -225,8 +225,15 @@ def test_phone_width_fits_without_errors(server):
         browser.quit()
 
 
-def test_with_an_api_key_the_page_asks_for_it(tiny_qwen3):
-    srv = LiveServer("--model-path", tiny_qwen3, "--api-key", "page-key")  # (behaviour alone: tiny weights)
+def test_with_an_api_key_the_page_asks_for_it_and_its_picker_lists_adapters(tiny_qwen3, tmp_path):
+    import peft
+    import transformers
+
+    adapter = str(tmp_path / "story")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen3)
+    peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(adapter)
+    srv = LiveServer("--model-path", tiny_qwen3, "--api-key", "page-key",  # (behaviour alone: tiny weights)
+                     "--lora-paths", f"story={adapter}")
     browser = _browser()
     try:
         browser.get(srv.url + "/")
@@ -236,6 +243,8 @@ def test_with_an_api_key_the_page_asks_for_it(tiny_qwen3):
         WebDriverWait(browser, 30).until(lambda b: b.find_element(By.ID, "model").text)
         assert browser.execute_script("return sessionStorage.getItem('radixlm-api-key')") == "page-key"
         assert browser.execute_script("return localStorage.getItem('radixlm-api-key')") is None
+        options = [o.get_attribute("value") for o in browser.find_elements(By.CSS_SELECTOR, "#model option")]
+        assert len(options) == 2 and options[1] == "story", options  # the base model, then the adapter
     finally:
         browser.quit()
         assert srv.stop() == 0

@@ -345,8 +345,16 @@ setInterval(refresh, 1000);
 async function start() {
   try {
     const models = await (await api("/v1/models")).json();
-    model = models.data[0].id;
-    $("model").textContent = model;
+    // the base model first, then its LoRA adapters (cards with a parent): the chat runs on the one picked
+    const picker = $("model");
+    picker.replaceChildren(...models.data.map((m) => {
+      const option = document.createElement("option");
+      option.value = m.id;
+      option.textContent = m.parent ? `${m.id} (LoRA on ${m.parent})` : m.id;
+      return option;
+    }));
+    model = picker.value;
+    picker.onchange = () => { model = picker.value; };
   } catch (e) { $("error").textContent = e.message; return; }
   if (!current) {
     const ids = Object.keys(conversations);
