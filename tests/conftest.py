@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import functools
+
 import os
 import sys
 
@@ -111,12 +113,19 @@ class TinyModel:
         self.kind, self.path = kind, path
         self.hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.prompts = random_prompts(TINY_VOCAB, 12, seed=7)
-        self.refs = hf_greedy(self.hf, self.prompts, NEW_TOKENS)
         # all share one 64-token prefix: decode batches take the shared-prefix (cascade) path
         self.shared_prompts = random_prompts(TINY_VOCAB, 8, seed=11, min_len=2, max_len=30, shared_prefix=64)
         self.shared_prompts = [self.shared_prompts[-1][:64] + p[-5:] for p in self.shared_prompts]
-        self.shared_refs = hf_greedy(self.hf, self.shared_prompts, NEW_TOKENS)
         self._model = None
+
+    # HF's greedy decodings, made on first use (a test of its own prompts needs none of them)
+    @functools.cached_property
+    def refs(self):
+        return hf_greedy(self.hf, self.prompts, NEW_TOKENS)
+
+    @functools.cached_property
+    def shared_refs(self):
+        return hf_greedy(self.hf, self.shared_prompts, NEW_TOKENS)
 
     def engine(self, **kwargs):
         """An Engine over this checkpoint; every engine shares one copy of the weights."""
