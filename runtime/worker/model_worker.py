@@ -392,6 +392,8 @@ class ModelWorker:
             raise lora.LoraError(f"adapter {name!r}: {path!r} is not a folder")
         if self.tp.size > 1:
             raise lora.LoraError("LoRA adapters run with --tp-size 1 only")
+        if self.args.kv_tier_path is not None:
+            raise lora.LoraError("LoRA adapters and --kv-tier-path do not go together yet (the tier keys KV by tokens alone)")
         if any(cfg.sparse(i) for cfg in [self.config] for i in range(cfg.num_layers)):
             raise lora.LoraError(f"LoRA adapters on a mixture of experts ({self.config.architecture}) are not supported")
         self.loras[name] = self._read_lora(name, path)

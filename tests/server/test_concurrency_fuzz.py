@@ -56,7 +56,7 @@ LONG = [f"You are assistant number {i} of the {shop} shop. " + f"Answer briefly 
 class Plan:
     """One request of a set and what the fuzzer does with it."""
 
-    kind: str  # "good", "constrained", "bad-constraint", "edge-error", "fault"
+    kind: str  # "good", "constrained", "bad-constraint", "edge-error", "fault", "endpoint" (the other APIs)
     params: dict
     n: int
     stream: bool
@@ -69,6 +69,8 @@ class Plan:
         return self.api != "native"
 
     def body(self, rid: str) -> tuple[str, dict]:
+        if self.kind == "endpoint":
+            return ENDPOINTS[self.api][:2]
         params = {"max_new_tokens": 4, **self.params}
         text = ("" if self.head is None else LONG[self.head] + "\n") + "Say something."
         if self.api == "messages":  # (good plans only: plain sampling fields, one sample)
@@ -92,6 +94,8 @@ class Plan:
     @property
     def expected(self) -> set[int]:
         """Status codes this request may get, before what its neighbours do to it."""
+        if self.kind == "endpoint":
+            return {ENDPOINTS[self.api][2]}
         if self.kind == "edge-error":
             return {400}
         if self.kind == "bad-constraint":
@@ -101,8 +105,23 @@ class Plan:
         return {200}
 
 
+# the newer APIs beside generation, good and bad: (path, body, the status it gets)
+ENDPOINTS = {
+    "embeddings": ("/v1/embeddings", {"input": ["Say something.", "Say more."]}, 200),
+    "embeddings-empty": ("/v1/embeddings", {"input": ""}, 400),
+    "tokenize": ("/tokenize", {"prompt": "Say something."}, 200),
+    "rerank": ("/v1/rerank", {"query": "colors", "documents": ["red is a color", "a chair"], "top_n": 1}, 200),
+    "score-no-items": ("/v1/score", {"query": "Is it red?", "items": [], "label_token_ids": [1]}, 400),
+    "unknown-adapter": ("/generate", {"text": "Hi", "lora_path": "no-such-adapter"}, 400),
+    "adapter-not-a-folder": ("/load_lora_adapter", {"lora_name": "x", "lora_path": "/no/such/adapter"}, 400),
+    "weights-elsewhere": ("/update_weights_from_disk", {"model_path": "/no/such/checkpoint"}, 400),
+}
+
+
 def _plans() -> st.SearchStrategy[Plan]:
-    kind = st.sampled_from(["good", "constrained", "bad-constraint", "edge-error", "fault"])
+    kind = st.sampled_from(["good", "constrained", "bad-constraint", "edge-error", "fault", "endpoint"])
+    endpoint = st.builds(Plan, kind=st.just("endpoint"), params=st.just({}), n=st.just(1), stream=st.just(False),
+                         api=st.sampled_from(sorted(ENDPOINTS)), fate=st.just("wait"))
 
     def params_for(k: str) -> st.SearchStrategy[dict]:
         sampling = st.fixed_dictionaries({}, optional={"temperature": st.sampled_from([0.0, 1.0]),
@@ -125,7 +144,7 @@ def _plans() -> st.SearchStrategy[Plan]:
 
         return api.flatmap(build)
 
-    return kind.flatmap(plan)
+    return kind.flatmap(lambda k: endpoint if k == "endpoint" else plan(k))
 
 
 async def _send(client: httpx.AsyncClient, plan: Plan, rid: str) -> tuple[int, list[dict]] | None:
