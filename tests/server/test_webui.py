@@ -148,16 +148,22 @@ def test_the_dashboard_shows_the_servers_numbers_and_the_shared_prefix(page, ser
     page.find_element(By.ID, "tab-dash").click()
     stamp = time.time() * 1000
     WebDriverWait(page, 10).until(lambda b: float(b.find_element(By.ID, "tree").get_attribute("data-updated") or 0) > stamp)
-    shown = {el.get_attribute("data-stat"): el.text for el in page.find_elements(By.CSS_SELECTOR, "[data-stat]")}
+    # the numbers and the tree read in one script, at one moment: the page redraws them every second
+    # (elements found one call and read the next may be gone by then)
+    shown, tops = page.execute_script("""
+        const stats = {};
+        for (const el of document.querySelectorAll("[data-stat]")) stats[el.dataset.stat] = el.textContent;
+        const tops = [...document.querySelectorAll("#tree > li > .node")].map(
+            (n) => ({children: n.dataset.children, title: n.title, tokens: n.dataset.tokens}));
+        return [stats, tops];""")
     acct = httpx.get(server.url + "/debug/kv_accounting", timeout=30).json()  # idle: the same moment
     for key in ("free_pages", "evictable_pages", "locked_pages", "pool_pages"):
         assert int(shown[key]) == acct[key], (key, shown, acct)
     assert shown["running_requests"] == "0" and shown["request_pages"] == "0"
-    (top,) = page.find_elements(By.CSS_SELECTOR, "#tree > li > .node")
-    assert top.get_attribute("data-children") == "2", "both requests' tails hang under the shared prefix"
-    title = top.get_attribute("title")
-    assert title and SYSTEM.startswith(title)
-    assert int(top.get_attribute("data-tokens")) > 20
+    (top,) = tops
+    assert top["children"] == "2", "both requests' tails hang under the shared prefix"
+    assert top["title"] and SYSTEM.startswith(top["title"])
+    assert int(top["tokens"]) > 20
     assert not _severe_logs(page)
     page.save_screenshot(os.path.join(IMAGES, "webui-dashboard.png"))
     page.find_element(By.ID, "tab-chat").click()
