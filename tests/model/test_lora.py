@@ -184,3 +184,30 @@ def test_adapters_beyond_max_loaded_loras_are_read_again_when_named(tiny_llama, 
         assert_drained(engine)
     finally:
         engine.shutdown()
+
+
+def test_an_adapter_on_smollm2_matches_peft(smol, tmp_path):
+    """The embedded SmolLM2 (fp32, the weights HF runs) with a peft adapter on every projection,
+    beside base-model rows in the same step: peft's greedy tokens for the adapter's rows, HF's for
+    the others."""
+    import copy
+
+    import peft
+
+    torch.manual_seed(7)
+    model = peft.get_peft_model(copy.deepcopy(smol.hf), peft.LoraConfig(
+        r=8, lora_alpha=16, init_lora_weights=False,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    model.save_pretrained(str(tmp_path / "smol-adapter"))
+    prompts = smol.prompts[:2]
+    engine = smol.engine_with(lora_paths=[f"smol-adapter={tmp_path / 'smol-adapter'}"])
+    try:
+        results = engine.generate(input_ids=prompts * 2, sampling_params=GREEDY,
+                                  lora_path=["smol-adapter", "smol-adapter", None, None])
+        refs = hf_greedy(model.eval(), prompts, NEW_TOKENS)
+        for i, (res, ref) in enumerate(zip(results, refs + smol.refs[:2])):
+            assert_matches(res["output_ids"], ref, f"SmolLM2 prompt {i % 2} {'on the adapter' if i < 2 else 'alone'}")
+        assert [r.tokens for r in refs] != [r.tokens for r in smol.refs[:2]], "the adapter must move the tokens"
+        assert_drained(engine)
+    finally:
+        engine.shutdown()
