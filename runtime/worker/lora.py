@@ -59,10 +59,9 @@ def sites(model: nn.Module) -> dict[str, nn.Module]:
     module learns its name (`lora_site`), which `apply` looks up."""
     out = {}
     for name, module in model.named_modules():
-        base = name.split(".", 1)[-1] if name.startswith("model.") else name
-        if base.endswith(("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")):
-            module.lora_site = base
-            out[base] = module
+        if name.endswith(("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")):
+            module.lora_site = name
+            out[name] = module
     return out
 
 
@@ -139,13 +138,18 @@ class LoraStep:
     """One step's adapters: the row -> adapter map and the stacked pairs of each site."""
 
     def __init__(self, adapters: list[LoraAdapter], rows: torch.Tensor, cache: dict) -> None:
-        """`adapters`: those the step uses; `rows` [T]: each token's index among them (-1: none)."""
+        """`adapters`: those the step uses; `rows` [T]: each token's index among them (-1: none);
+        `cache`: the stacked pairs of the last set of adapters, by site (kept while the set is)."""
         self.adapters, self.rows, self._cache = adapters, rows, cache
+        uids = tuple(a.uid for a in adapters)
+        if cache.get("set") != uids:  # one set's stacks at a time: memory bounded whatever the mixes
+            cache.clear()
+            cache["set"] = uids
 
     def delta(self, site: str, x: torch.Tensor) -> torch.Tensor | None:
         if gemm.current_mode().invariant:
             return self._delta_invariant(site, x)
-        key = (tuple(a.uid for a in self.adapters), site)
+        key = site
         stacked = self._cache.get(key)
         if stacked is None:
             pairs = [a.pairs.get(site) for a in self.adapters]

@@ -109,7 +109,7 @@ class ModelWorker:
         self.graph_runner = self._graph_runner()
         self.native_decoder = NativeDecoder.build(self)
         self.loras: dict[str, lora.LoraAdapter] = {}  # by name
-        self._lora_stacks: dict = {}  # each set of adapters' stacked pairs, per projection
+        self._lora_stacks: dict = {}  # the last step's set of adapters' stacked pairs, per projection
         for name, path in args.lora_adapters():
             self.load_lora(name, path)
         self.sampler = Sampler()
@@ -304,6 +304,7 @@ class ModelWorker:
         model = self._load_model(source, self.config, self.tp)
         quantization = self._quantization(model)
         self.model, self.quantization, self.source = model, quantization, source
+        lora.sites(model)  # the adapters served apply to the new weights' projections too
         self.linear_mode = self._linear_mode(model)
         self.native_decoder = NativeDecoder.build(self)
         if self.graph_runner is not None:

@@ -84,6 +84,11 @@ def test_bad_adapters_and_unknown_names_are_refused(tiny_llama, adapters, tmp_pa
     try:
         with pytest.raises(ValueError, match="unknown LoRA adapter 'nope'"):
             engine.generate(input_ids=tiny_llama.prompts[0], sampling_params=GREEDY, lora_path="nope")
+        # the adapters served still apply once the base weights are updated in place
+        assert engine.update_weights_from_disk(tiny_llama.path)[0]
+        prompt = tiny_llama.prompts[1]
+        out = engine.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="attn")
+        assert_matches(out["output_ids"], hf_greedy(adapters["attn"][1], [prompt], NEW_TOKENS)[0], "after an update")
     finally:
         engine.shutdown()
 
