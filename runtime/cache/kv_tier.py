@@ -128,6 +128,11 @@ class FileTier:
 
     # ---- what the scheduler calls ------------------------------------------------------------
 
+    @property
+    def num_blocks(self) -> int:
+        """Blocks on disk (read each step for the dashboard: len() of a dict needs no lock)."""
+        return len(self._index)
+
     def contains(self, key: bytes) -> bool:
         with self._lock:
             return key in self._index or key in self._pending

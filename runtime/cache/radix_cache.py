@@ -23,7 +23,7 @@ _BELOW = attrgetter("below")
 class TreeNode:
     """One edge of the tree: `key` tokens whose KV lives in `value` slots (same length)."""
 
-    __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access", "below", "__weakref__")
+    __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access", "below", "hits", "__weakref__")
 
     def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None,
                  lock_ref: int = 0, last_access: int = 0) -> None:
@@ -34,6 +34,7 @@ class TreeNode:
         self.lock_ref = lock_ref
         self.last_access = last_access
         self.below = len(key)  # tokens in this node and every node under it (the snapshot's order)
+        self.hits = 0  # requests admitted with a cached prefix through this node (the dashboard's)
 
 
 class MatchResult(NamedTuple):
@@ -70,6 +71,12 @@ class PrefixCache(ABC):
     @abstractmethod
     def unlock(self, node: TreeNode) -> None:
         """Undo one `lock(node)`."""
+
+    def count_hit(self, node: TreeNode) -> None:
+        """A request starts from the prefix ending at `node`: one more hit on its path."""
+        while node is not self.root:
+            node.hits += 1
+            node = node.parent
 
     @abstractmethod
     def cache_request(self, token_ids: Sequence[int], slots: torch.Tensor, prefix_len: int,
@@ -118,11 +125,12 @@ class PrefixCache(ABC):
         step. Its work is bounded by the nodes shown and their children, not the tree: the tokens
         below each node are kept as the tree changes. A node: `tokens` (its own), `depth` (the
         prefix's tokens up to its end), `subtree_tokens`, `locks` (running requests holding it),
-        `uses_ago` (tree uses since its last: 0 is the latest), `head` (its first `head_tokens`
-        ids), `children`, and `hidden` / `hidden_tokens` for the children left out."""
+        `uses_ago` (tree uses since its last: 0 is the latest), `hits` (requests admitted with a
+        prefix through it), `head` (its first `head_tokens` ids), `children`, and `hidden` /
+        `hidden_tokens` for the children left out."""
         root, latest = self.root, self._latest_use()
-        out = {"tokens": 0, "depth": 0, "subtree_tokens": root.below, "locks": 0, "uses_ago": 0, "head": [],
-               "children": [], "hidden": len(root.children), "hidden_tokens": root.below}
+        out = {"tokens": 0, "depth": 0, "subtree_tokens": root.below, "locks": 0, "uses_ago": 0, "hits": 0,
+               "head": [], "children": [], "hidden": len(root.children), "hidden_tokens": root.below}
         seq = itertools.count()
         # only a node's `left` largest children can still be shown: the rest are never pushed
         frontier = [(-c.below, next(seq), c, out) for c in heapq.nlargest(max_nodes, root.children.values(), key=_BELOW)]
@@ -132,7 +140,8 @@ class PrefixCache(ABC):
                 break
             _, _, node, parent = heapq.heappop(frontier)
             view = {"tokens": len(node.key), "depth": parent["depth"] + len(node.key), "subtree_tokens": node.below,
-                    "locks": node.lock_ref, "uses_ago": latest - node.last_access, "head": node.key[:head_tokens],
+                    "locks": node.lock_ref, "uses_ago": latest - node.last_access, "hits": node.hits,
+                    "head": node.key[:head_tokens],
                     "children": [], "hidden": len(node.children), "hidden_tokens": node.below - len(node.key)}
             parent["children"].append(view)
             parent["hidden"] -= 1
@@ -259,6 +268,7 @@ class RadixCache(PrefixCache):
         """Cut `child` after n tokens; the new upper node is returned, `child` keeps the tail."""
         upper = TreeNode(child.key[:n], child.value[:n], child.parent, child.lock_ref, child.last_access)
         upper.below = child.below  # the same tokens hang under the cut
+        upper.hits = child.hits
         child.below -= n
         upper.children[self._page_key(child.key, n)] = child
         child.parent.children[self._page_key(child.key, 0)] = upper

@@ -37,6 +37,8 @@ class ScheduledBatch:
     sample_counts: list[int]  # per sampled request, its sample rows: 1, or 1 + its drafts (a verify row)
     logprob_spans: list[tuple[Req, int, int]]  # (req, first prompt position, count) of prompt logprobs computed
     embed_spans: list[tuple[Req, int, int]] = field(default_factory=list)  # (req, first position, count) pooled
+    num_verify: int = 0  # running rows that check drafts (speculation.py)
+    prefill_tokens: int = 0  # the prefill rows' tokens
     new_pages: torch.Tensor | None = None  # the pages this step took, once it took them
     sampling: SamplingBatch | None = field(default=None, repr=False)
 
@@ -57,10 +59,12 @@ def make_batch(running: list[Req], prefill: list[Req], prefill_lens: list[int]) 
     lens = [n for _, n in packed]
     prefilling = {id(r) for r in prefill}
     sampled, counts, spans, embeds = [], [], [], []
+    verify = 0
     for req, n in packed:
         if id(req) not in prefilling:  # running: its tokens end the sequence, its prompt logprobs are done
             sampled.append(req)
             counts.append(1 + len(req.draft))
+            verify += bool(req.draft)
             continue
         if req.cached_len + n == req.seq_len and req.params.max_new_tokens > 0:
             sampled.append(req)
@@ -73,7 +77,8 @@ def make_batch(running: list[Req], prefill: list[Req], prefill_lens: list[int]) 
         elif req.embed == "last" and req.cached_len + n == req.prompt_len:  # the chunk that holds the last
             embeds.append((req, req.prompt_len - 1, 1))
     num_decode = sum(1 for n in lens if n == 1)
-    return ScheduledBatch(reqs, lens, num_decode, prefilling, sampled, counts, spans, embed_spans=embeds)
+    return ScheduledBatch(reqs, lens, num_decode, prefilling, sampled, counts, spans, embed_spans=embeds,
+                          num_verify=verify, prefill_tokens=sum(prefill_lens))
 
 
 def _logprob_span(req: Req, n: int) -> tuple[Req, int, int] | None:

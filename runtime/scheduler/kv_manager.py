@@ -97,6 +97,7 @@ class KVManager:
                                    else NoPrefixCache(self.allocator))
         self._offsets = torch.arange(page_size, device=device)
         self._namespaces: dict[str, int] = {}  # LoRA adapter -> where its keys begin (past every token id)
+        self._admitted = [0, 0]  # tokens of the requests admitted since `take_admitted`, and the cached ones
         self._next_namespace = 0
 
     def lora_namespace(self, name: str) -> int:
@@ -110,6 +111,17 @@ class KVManager:
         """An adapter unloaded: an adapter loaded later under its name gets a namespace of its own
         (what the tree holds under the old one is never matched again, and is evicted in turn)."""
         self._namespaces.pop(name, None)
+
+    def take_admitted(self) -> tuple[int, int]:
+        """The tokens of the requests admitted since the last call, and how many of them were cached
+        (the tree's match, the tier's blocks): the dashboard's hit rate over time."""
+        taken, self._admitted = self._admitted, [0, 0]
+        return taken[0], taken[1]
+
+    @property
+    def tier_pages(self) -> int:
+        """Pages' worth of K/V the KV tier holds (0 without one)."""
+        return 0 if self.tier is None else self.tier.store.num_blocks * self.tier.block_tokens // self.page_size
 
     # ---- capacity ----------------------------------------------------------------------------
 
@@ -158,6 +170,9 @@ class KVManager:
         req.cached_tokens += req.prefix_len
         req.window_dropped = 0
         self.cache.lock(m.node)
+        self.cache.count_hit(m.node)
+        self._admitted[0] += req.seq_len
+        self._admitted[1] += req.prefix_len
         if req.prefix_len:
             self.table.table[req.row, : req.prefix_len] = m.slots
             if self.window is not None:
@@ -192,6 +207,7 @@ class KVManager:
             self.truncate(req, start)
             raise
         req.cached_tokens += end - start
+        self._admitted[1] += end - start
         stats = tier.store.stats
         stats.hits += 1
         stats.tokens_loaded += end - start

@@ -124,7 +124,7 @@ class SchedulerProcess:
         elif isinstance(msg, ControlRequest) and msg.op in ("load_lora", "unload_lora"):
             self.outbox.send(ipc.encode(ControlOutput(msg.rid, self._lora_op(msg.op, msg.args or {}))))
         elif isinstance(msg, ControlRequest):
-            self.outbox.send(ipc.encode(ControlOutput(msg.rid, self._control(msg.op))))
+            self.outbox.send(ipc.encode(ControlOutput(msg.rid, self._control(msg.op, msg.args or {}))))
 
     def _lora_op(self, op: str, args: dict) -> dict:
         """/load_lora_adapter, /unload_lora_adapter: an adapter checked and laid out (or dropped)
@@ -179,7 +179,7 @@ class SchedulerProcess:
                                                   f"(error id {error_id}); the old weights serve on", "status": 500}
         self.outbox.send(ipc.encode(ControlOutput(rid, reply)))
 
-    def _control(self, op: str) -> dict:
+    def _control(self, op: str, args: dict) -> dict:
         if op == "flush_cache":
             return {"success": self.scheduler.flush_cache()}
         if op == "server_info":
@@ -208,15 +208,16 @@ class SchedulerProcess:
                     "free_pages": kv.allocator.num_free_pages, "evictable_pages": kv.cache.evictable_pages,
                     "pool_pages": kv.num_pages, "live": self._live_requests()}
         if op == "dashboard":
-            return self._dashboard()
+            return self._dashboard(args.get("since"))
         return {"error": f"unknown control op {op!r}"}
 
-    def _dashboard(self, max_nodes: int = 64) -> dict:
-        """What the live view shows: the queues, the latest step, the KV pages by state, and the
-        radix tree's largest prefixes (their first tokens decoded), taken now."""
+    def _dashboard(self, since: float | None, max_nodes: int = 64, text_tokens: int = 64) -> dict:
+        """What the live view shows: the queues, the latest step, the KV pages by state, the step
+        log after `since` (step_log.py), and the radix tree's largest prefixes (each node's first
+        `text_tokens` tokens decoded), taken now."""
         s, kv = self.scheduler, self.scheduler.kv
         free, evictable, locked = kv.allocator.num_free_pages, kv.cache.evictable_pages, kv.cache.locked_pages
-        tree = kv.cache.snapshot(max_nodes)
+        tree = kv.cache.snapshot(max_nodes, text_tokens)
         if s.decode is not None:
             stack = [tree]
             while stack:
@@ -225,7 +226,7 @@ class SchedulerProcess:
                 stack.extend(node["children"])
         return {"running_requests": len(s.running), "waiting_requests": len(s.waiting),
                 "pending_requests": len(s.pending), "chunked_request": s.chunked is not None,
-                **s.activity(),
+                **s.step_log.activity(), **s.step_log.history(since),
                 "page_size": kv.page_size, "pool_pages": kv.num_pages, "free_pages": free,
                 "evictable_pages": evictable, "locked_pages": locked,
                 "request_pages": kv.num_pages - free - evictable - locked, "tree": tree}

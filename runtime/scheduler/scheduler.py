@@ -18,8 +18,7 @@ import re
 import select
 import time
 import uuid
-from collections import deque
-from typing import Callable, NamedTuple
+from typing import Callable
 
 from radixlm.runtime.args import ServerArgs
 from radixlm.runtime.cache.continuations import TreeContinuations
@@ -39,20 +38,11 @@ from radixlm.runtime.scheduler.overlap import InFlight, StepThread, may_overlap
 from radixlm.runtime.scheduler.req import Finish, FinishKind, Req
 from radixlm.runtime.scheduler.retraction import make_room
 from radixlm.runtime.scheduler.speculation import Speculator, kept_prefix
+from radixlm.runtime.scheduler.step_log import StepLog, StepRecord
 from radixlm.runtime.worker.forward_batch import WorkerBatch, future_id
 from radixlm.runtime.worker.model_worker import ModelWorker, WorkerOutput
 
 log = logging.getLogger(__name__)
-
-
-class StepRecord(NamedTuple):
-    """One step, as the dashboard shows it."""
-
-    at: float  # time.monotonic() when it ended
-    decode_rows: int
-    prefill_rows: int
-    prefill_tokens: int
-    sampled: int  # tokens the step produced
 
 
 class DeviceLost(RuntimeError):
@@ -133,7 +123,7 @@ class Scheduler:
         self.forward_passes = 0
         self.request_passes = 0
         self._ended: list[TokenOutput] = []  # outputs of requests ended while scheduling
-        self.recent_steps: deque[StepRecord] = deque(maxlen=512)  # for people watching: `activity`
+        self.step_log = StepLog()  # for people watching: the dashboard
         self._live: dict[str, Req] = {}  # every request not yet ended, by id
         self.penalties = PenaltyTracker(worker.req_to_token.table.shape[0], worker.config.vocab_size, worker.device)
         # overlap scheduling (overlap.py): the step running now, and requests ended while one held them
@@ -242,15 +232,6 @@ class Scheduler:
             select.select([fd], [], [], timeout)
             self.grammar.drain_ready()
 
-    def activity(self, window_s: float = 2.0) -> dict:
-        """The latest step and the tokens per second produced over the last `window_s` seconds."""
-        now = time.monotonic()
-        recent = [r for r in self.recent_steps if r.at >= now - window_s]
-        last = self.recent_steps[-1] if self.recent_steps else None
-        return {"tokens_per_s": sum(r.sampled for r in recent) / window_s,
-                "steps_per_s": len(recent) / window_s,
-                "last_step": None if last is None else {**last._asdict(), "seconds_ago": now - last.at}}
-
     def lora_users(self, name: str) -> int:
         """How many requests not yet ended run on the LoRA adapter `name`."""
         return sum(r.lora == name for r in self._live.values())
@@ -287,9 +268,14 @@ class Scheduler:
         if self.speculator is not None:
             tokens = sum(batch.extend_lens)
             self.speculator.observe_step(batch.num_decode < len(batch.reqs), tokens, time.perf_counter() - started)
-        d = batch.num_decode
-        self.recent_steps.append(StepRecord(time.monotonic(), d, len(batch.reqs) - d, sum(batch.extend_lens[d:]),
-                                            produced))
+        kv = self.kv
+        prompt, cached = kv.take_admitted()
+        free, evictable, locked = kv.allocator.num_free_pages, kv.cache.evictable_pages, kv.cache.locked_pages
+        prefill = len(batch.prefilling)
+        self.step_log.add(StepRecord(
+            time.monotonic(), len(batch.reqs) - prefill - batch.num_verify, prefill, batch.prefill_tokens,
+            batch.num_verify, produced, len(self.running), len(self.waiting) + len(self.pending), prompt, cached,
+            free, evictable, locked, kv.num_pages - free - evictable - locked, kv.tier_pages))
         if self.args.debug_accounting:
             self.check_accounting()
 

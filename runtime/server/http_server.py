@@ -110,11 +110,12 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
         return await state.client.control("check_accounting")
 
     @app.get("/debug/dashboard")
-    async def dashboard() -> dict:
+    async def dashboard(since: float | None = None) -> dict:
         """The live view's numbers, taken now: queues, the latest step, tokens/s, KV pages by state,
-        the radix tree's largest prefixes, the cache hit rate of finished requests."""
-        view = await state.client.control("dashboard")
-        return {**view, "cache_hit_rate": state.metrics.hit_rate}
+        the step log after `since` (the `now` of an earlier answer), the radix tree's largest
+        prefixes, the cache hit rate of finished requests and their latency histograms."""
+        view = await state.client.control("dashboard", {"since": since})
+        return {**view, "cache_hit_rate": state.metrics.hit_rate, "histograms": state.metrics.latency_histograms()}
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:

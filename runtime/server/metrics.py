@@ -99,6 +99,17 @@ class Metrics:
         """Cached prompt tokens / prompt tokens of the requests finished since start."""
         return self._cached_total / self._prompt_total if self._prompt_total else 0.0
 
+    def latency_histograms(self) -> dict[str, dict[str, list]]:
+        """TTFT's and inter-token latency's histograms as the dashboard draws them: each bucket's
+        upper bound (`le`, the last one infinite: null) and the requests in it (not cumulative)."""
+        out = {}
+        for name, histogram in (("ttft", self.ttft), ("itl", self.itl)):
+            (metric,) = histogram.collect()
+            cumulative = [(float(s.labels["le"]), s.value) for s in metric.samples if s.name.endswith("_bucket")]
+            counts = [int(c - b) for (_, c), (_, b) in zip(cumulative, [(0, 0.0)] + cumulative)]
+            out[name] = {"le": [le if le != float("inf") else None for le, _ in cumulative], "counts": counts}
+        return out
+
     def render(self, scheduler_info: dict[str, Any]) -> bytes:
         self.running.set(scheduler_info.get("running_requests", 0))
         self.queued.set(scheduler_info.get("waiting_requests", 0))

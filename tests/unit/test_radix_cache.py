@@ -429,6 +429,21 @@ def test_snapshot_shows_locks_and_changes_nothing() -> None:
     cache.check_invariants()
 
 
+def test_snapshot_counts_the_hits_on_each_node() -> None:
+    cache, sim = _shared_prefix_cache()
+    for tail in ([300], [100, 101, 102, 103]):  # both start from SYSTEM; the second from SYSTEM + [100..102]
+        req = sim.start(SYSTEM + tail)
+        cache.count_hit(req.node)
+        sim.finish(req)
+    system = cache.snapshot()["children"][0]
+    hits = {tuple(c["head"]): c["hits"] for c in system["children"]}
+    assert system["hits"] == 2 and hits[(100, 101, 102)] == 1 and hits[(200,) * 5] == 0
+    cache.count_hit(cache.match_prefix(SYSTEM[:8]).node)  # a split keeps the counts of both halves
+    top = cache.snapshot()["children"][0]
+    assert (top["tokens"], top["hits"], top["children"][0]["hits"]) == (8, 3, 2)
+    cache.check_invariants()
+
+
 def test_snapshot_of_no_prefix_cache_is_empty() -> None:
     cache = NoPrefixCache(PageAllocator(8, 4))
     tree = cache.snapshot()
