@@ -72,10 +72,11 @@ class PrefixCache(ABC):
     def unlock(self, node: TreeNode) -> None:
         """Undo one `lock(node)`."""
 
-    def count_hit(self, node: TreeNode) -> None:
-        """A request starts from the prefix ending at `node`: one more hit on its path."""
+    def count_hit(self, node: TreeNode, n: int = 1) -> None:
+        """A request starts from the prefix ending at `node`: one more hit on its path (`n` = -1:
+        an admission backed out)."""
         while node is not self.root:
-            node.hits += 1
+            node.hits += n
             node = node.parent
 
     @abstractmethod

@@ -217,6 +217,9 @@ class KVManager:
     def undo_admit(self, req: Req) -> None:
         """Back out of `admit` for a request that turned out not to fit."""
         self.cache.unlock(req.node)
+        self.cache.count_hit(req.node, -1)
+        self._admitted[0] -= req.seq_len
+        self._admitted[1] -= req.prefix_len
         self.table.free_row(req.row)
         req.cached_tokens -= req.prefix_len
         req.row, req.node, req.prefix_len, req.cached_len = None, None, 0, 0

@@ -3,6 +3,13 @@ from where it left off."""
 
 from __future__ import annotations
 
+import torch
+
+from radixlm.runtime.cache.kv_pool import ReqToTokenTable
+from radixlm.runtime.messages import TokenizedRequest
+from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.scheduler.kv_manager import KVManager
+from radixlm.runtime.scheduler.req import Req
 from radixlm.runtime.scheduler.step_log import StepLog, StepRecord
 
 
@@ -33,3 +40,28 @@ def test_history_since_an_earlier_answer_is_what_came_after() -> None:
     # the second `since` fell in is sent again, whole: it grew after that answer
     assert [(s["t"], s["steps"], s["sampled"]) for s in view["seconds"]] == [(5, 3, 4), (6, 1, 3)]
     assert log.activity(window_s=1e9)["last_step"]["sampled"] == 3
+
+
+def test_an_admission_backed_out_counts_no_hit_and_no_prompt() -> None:
+    """Admission tries a request and may back out (it did not fit): only what was admitted counts."""
+    kv = KVManager(16, 4, ReqToTokenTable(4, 64, "cpu"), True, torch.device("cpu"))
+
+    def admitted(tokens: list[int]) -> Req:
+        req = Req(TokenizedRequest(rid="r", input_ids=tokens, sampling_params=SamplingParams(max_new_tokens=1)), 0)
+        kv.admit(req)
+        return req
+
+    first = admitted(list(range(12)))
+    kv.extend_slots(first, first.seq_len)
+    first.cached_len = first.seq_len
+    kv.release(first)
+    assert kv.take_admitted() == (12, 0)
+    tried = admitted(list(range(8)) + [99, 98])  # 8 tokens cached
+    assert tried.prefix_len == 8
+    kv.undo_admit(tried)
+    assert kv.take_admitted() == (0, 0)
+    assert kv.cache.snapshot()["children"][0]["hits"] == 0
+    kept = admitted(list(range(8)) + [99, 98])
+    assert kv.take_admitted() == (10, 8) and kv.cache.snapshot()["children"][0]["hits"] == 1
+    kv.undo_admit(kept)
+    kv.check_accounting([])
