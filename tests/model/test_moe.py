@@ -125,6 +125,7 @@ def test_mxfp4_experts_are_served_from_their_codes(tmp_path):
 
     from gguf_files import write_gguf
     from oracle import hf_logprobs, random_prompts
+    from radixlm.runtime.worker import quant
     from radixlm.runtime.worker.quant import QuantizedMatrix
 
     path = str(tmp_path / "hf")
@@ -152,8 +153,11 @@ def test_mxfp4_experts_are_served_from_their_codes(tmp_path):
         with torch.inference_mode():
             ref = hf_logprobs(mx, prompt)[:-1].gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
             fp32 = hf_logprobs(hf, prompt)[:-1].gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
-        # the activations' int8 blocks are all that differs; MXFP4's own rounding is far larger
-        assert (ours - ref).abs().mean() < 0.002, (ours - ref).abs().mean()  # measured 5e-5 (fp32: 0.19)
+        # the activations' int8 blocks are all that differs; MXFP4's own rounding is far larger. Where
+        # oneDNN multiplies bf16 natively, this 40-row prefill reads bf16 copies of the same (exact)
+        # values instead (quant.CODES_ROWS): its activations rounded to bf16
+        bound = 0.01 if quant.native_bf16() else 0.002  # measured 0.0050 (AMD Zen 4), 5e-5 (AVX2); fp32: 0.19
+        assert (ours - ref).abs().mean() < bound, (ours - ref).abs().mean()
         assert (ours - fp32).abs().mean() > 3 * (ours - ref).abs().mean()
         assert_drained(engine)
     finally:
