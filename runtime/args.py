@@ -94,7 +94,7 @@ class ServerArgs:
         "help": "decode steps of up to this many requests replay a CUDA graph captured per batch-size bucket (CUDA only)"})
     disable_cuda_graph: bool = field(default=False, metadata={"help": "run every decode step eagerly on CUDA"})
     attention_backend: str = field(default="auto", metadata={
-        "help": "torch, native (radixlm's CPU kernels: rotary, K/V store and decode attention fused) or triton "
+        "help": "torch, native (radixlm's CPU kernels: rotary fused with the K/V store, decode and extend attention) or triton "
                 "(auto: triton on CUDA; on CPU native where the weights are served on the native kernels, else torch)"})
     linear_kernel: str = field(default="auto", metadata={
         "help": "the CPU matmul kernel of dense weights: torch (F.linear, MKL), onednn, or auto (oneDNN wherever torch has "

@@ -183,6 +183,26 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                                               sinks)
 
 
+def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                     rows: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor, scale: float,
+                     out: torch.Tensor | None = None, isa: int = -1, window: int = 0, softcap: float = 0.0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of the extend rows' new tokens (prefill chunks; K/V already in the pools): row r's
+    extend_lens[r] tokens are q's next rows (q [tokens, heads d] float32, rows contiguous but may be
+    strided; already rotated), token t at position prefix_lens[r] + t, and it attends the keys at
+    table[rows[r], :prefix_lens[r] + t + 1] (int64), read in place. Into `out` (the same shape,
+    rows may be strided; a new tensor if None), returned. `window`, `softcap`, `sinks`: as
+    decode_attention's. The AVX2 and AVX-512 paths take a row's tokens and one KV head's query
+    heads together, 64 keys a block, each score summed over d in order and the softmax folded
+    block by block (online); the portable path is decode_attention's kernel once per token, the
+    keys in order. They agree to rounding, not bitwise (the block's rescaling), so
+    --deterministic sends every token through decode_attention instead."""
+    out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
+    torch.ops.radixlm.extend_attention(q, k_pool, v_pool, table, rows, prefix_lens, extend_lens, scale, out, isa, window,
+                                       softcap, sinks)
+    return out
+
+
 __all__ = ["BLOCK", "ISA_NAMES", "NativeBuildError", "TILE_ROWS", "Tiled", "best_isa", "cpu_flags", "decode_attention",
-           "dequantize_rows", "isa_name", "load", "quant_matmul", "quantize_activations", "rms_norm", "rope_store", "silu_mul", "tile",
-           "untile"]
+           "dequantize_rows", "extend_attention", "isa_name", "load", "quant_matmul", "quantize_activations", "rms_norm",
+           "rope_store", "silu_mul", "tile", "untile"]

@@ -78,3 +78,13 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         probs = torch.softmax(scores, -1)[:, : keys.shape[1]]
         out.append(torch.einsum("hk,hkd->hd", probs, values).reshape(-1))
     return torch.stack(out)
+
+
+def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                     rows: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor, scale: float,
+                     window: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Each new token as a decode row over the keys up to its own position."""
+    token_rows = torch.repeat_interleave(rows, extend_lens)
+    within = torch.cat([torch.arange(int(n)) for n in extend_lens])
+    lens = torch.repeat_interleave(prefix_lens, extend_lens) + within + 1
+    return decode_attention(q, k_pool, v_pool, table, token_rows, lens, scale, window, softcap, sinks)

@@ -1,5 +1,6 @@
 """The native CPU kernels (kernels/cpu) against their torch references, and every ISA path this
-CPU runs against the portable one: bitwise, since each path sums in the same order."""
+CPU runs against the portable one: bitwise, since each path sums in the same order (extend
+attention's vector paths only to rounding: they fold the softmax a block of keys at a time)."""
 
 from __future__ import annotations
 
@@ -288,6 +289,57 @@ def test_rows_on_one_prompt_read_it_once_and_get_each_rows_bits(group, d):
         alone = cpu.decode_attention(q[i : i + 1].clone(), k_pool, v_pool, table, rows[i : i + 1], lens[rows][i : i + 1],
                                      0.125, isa=1)
         assert torch.equal(alone, batch[i : i + 1]), i
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 4), group=st.sampled_from([1, 3, 8]), d=st.sampled_from([16, 24, 40, 64, 128]),
+       seed=st.integers(0, 999), window=st.sampled_from([0, 1, 7, 80]), softcap=st.sampled_from([0.0, 0.5]),
+       sinks=st.booleans())
+def test_extend_attention_reads_the_pool_through_the_table(rows, group, d, seed, window, softcap, sinks):
+    """Each new token of a prefill chunk over the keys up to its own position (the last `window`
+    of them; capped scores; sink logits), read in place through the table, against the torch
+    reference (each token a decode row of it), on every path this CPU runs. Chunks of 1-150
+    tokens after cached prefixes of 0-200 keys: the vector paths' 64-key blocks and their tasks'
+    token ranges cut across prefixes, windows and chunk ends at every offset. Not bitwise across
+    paths: the vector paths fold the softmax a block at a time. Into a strided `out`, whose other
+    columns stay untouched."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads, cols = 2, 360
+    heads = kv_heads * group
+    extend_lens = torch.randint(1, 151, (rows,), generator=gen)
+    prefix_lens = torch.randint(0, 201, (rows,), generator=gen)
+    tokens = int(extend_lens.sum())
+    qkv, k_pool, v_pool = _step(gen, tokens, heads, kv_heads, d, slots=8 * cols)
+    table = torch.randperm(8 * cols, generator=gen).view(8, cols)  # scattered slots, as pages are
+    table_rows = torch.randperm(8, generator=gen)[:rows]
+    q = qkv[:, : heads * d]  # strided rows, as the model's qkv holds them
+    sink = torch.randn(heads, generator=gen) * 2 if sinks else None
+    want = ref.extend_attention(q, k_pool, v_pool, table, table_rows, prefix_lens, extend_lens, 0.125, window, softcap,
+                                sink)
+    for isa in PATHS:
+        wide = torch.full((tokens, heads * d + 5), 7.0)
+        got = cpu.extend_attention(q, k_pool, v_pool, table, table_rows, prefix_lens, extend_lens, 0.125,
+                                   out=wide[:, : heads * d], isa=isa, window=window, softcap=softcap, sinks=sink)
+        assert torch.allclose(got, want, rtol=1e-5, atol=2e-5), (cpu.ISA_NAMES[isa], (got - want).abs().max())
+        assert (wide[:, heads * d :] == 7.0).all()
+
+
+def test_extend_attention_names_bad_arguments():
+    gen = torch.Generator().manual_seed(3)
+    qkv, k_pool, v_pool = _step(gen, 6, 4, 2, 16, slots=40)
+    q, table = qkv[:, :64], torch.arange(40).view(2, 20)
+    rows, prefix, ext = torch.tensor([0, 1]), torch.tensor([4, 0]), torch.tensor([2, 4])
+    cpu.extend_attention(q, k_pool, v_pool, table, rows, prefix, ext, 0.25)  # as given: fine
+    with pytest.raises(RuntimeError, match="q has 5 rows for the extend rows' 6 tokens"):
+        cpu.extend_attention(q[:5], k_pool, v_pool, table, rows, prefix, ext, 0.25)
+    with pytest.raises(RuntimeError, match="extend row 1 has no valid token-table row, prefix or length"):
+        cpu.extend_attention(q, k_pool, v_pool, table, rows, torch.tensor([4, 17]), ext, 0.25)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu.extend_attention(q, k_pool, v_pool, table + 30, rows, prefix, ext, 0.25)
+    with pytest.raises(RuntimeError, match="out must be a float32 \\[6, 64\\]"):
+        cpu.extend_attention(q, k_pool, v_pool, table, rows, prefix, ext, 0.25, out=torch.empty(6, 63))
+    with pytest.raises(RuntimeError, match="not whole query heads"):
+        cpu.extend_attention(qkv[:, :60], k_pool, v_pool, table, rows, prefix, ext, 0.25)
 
 
 def _random_decoder(seed: int, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, d: int = 16,

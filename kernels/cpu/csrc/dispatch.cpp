@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <numeric>
 #include <vector>
 
@@ -204,6 +205,66 @@ void decode_attention_into(const float* q, int64_t q_stride, int64_t heads, int6
       run(q + r * q_stride + h * head_dim, head_dim, kv, h / group, rows.table + rows.rows[r] * rows.table_cols + start,
           rows.seq_lens[r] - start, scale, scores.data(), out + (r * heads + h) * head_dim);
     }
+  });
+}
+
+namespace {
+
+// Query rows (tokens x query heads of a KV head) an extend task takes at most: its scores and
+// values stay in L2 beside a block of keys. Fewer where that would leave under kTasksPerThread
+// tasks a thread to balance (one 64-token row of SmolLM2 is 3 such tasks: 2:1 on two threads),
+// but never under kMinRows (the score kernel's registers hold 12).
+constexpr int64_t kExtendRows = 96, kMinRows = 16, kTasksPerThread = 4;
+
+std::vector<ExtendTask> extend_tasks(const ExtendRows& rows, int64_t kv_heads, int64_t group) {
+  int64_t total = 0;
+  for (int64_t r = 0; r < rows.n; ++r) total += rows.extend_lens[r];
+  const int64_t wanted = (total * kv_heads + kTasksPerThread * at::get_num_threads() - 1) /
+                         (kTasksPerThread * at::get_num_threads());  // tokens a task for enough tasks
+  const int64_t tokens = std::clamp(wanted, (kMinRows + group - 1) / group, std::max<int64_t>(1, kExtendRows / group));
+  std::vector<ExtendTask> tasks;
+  for (int64_t r = 0; r < rows.n; ++r)
+    for (int64_t t0 = 0; t0 < rows.extend_lens[r]; t0 += tokens)
+      for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({r, h, t0, std::min(t0 + tokens, rows.extend_lens[r])});
+  auto cost = [&](const ExtendTask& t) {  // query rows x the keys its last token sees
+    const int64_t last = rows.prefix_lens[t.row] + t.t1;
+    return (t.t1 - t.t0) * (rows.window > 0 ? std::min(last, rows.window + t.t1 - t.t0) : last);
+  };
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const ExtendTask& a, const ExtendTask& b) { return cost(a) > cost(b); });
+  return tasks;
+}
+
+}  // namespace
+
+void extend_attention_into(const ExtendQueries& x, const KVLayer& kv, const ExtendRows& rows, Isa isa) {
+  const int64_t group = x.heads / x.kv_heads, d = x.head_dim;
+  auto run = isa == Isa::avx512 && extend_avx512_takes(d) ? extend_task_avx512
+             : isa >= Isa::avx2 && extend_avx2_takes(d)    ? extend_task_avx2
+                                                           : nullptr;
+  if (run == nullptr) {  // the decode kernel for each (token, query head), over its keys in order
+    std::vector<int64_t> token_row;
+    for (int64_t r = 0; r < rows.n; ++r) token_row.insert(token_row.end(), rows.extend_lens[r], r);
+    const int64_t tokens = int64_t(token_row.size());
+    at::parallel_for(0, tokens * x.heads, 1, [&](int64_t a, int64_t b) {
+      std::vector<float> scores;
+      for (int64_t task = a; task < b; ++task) {
+        const int64_t t = task / x.heads, h = task % x.heads, r = token_row[t];
+        const int64_t token = t - rows.token_starts[r], pos = rows.prefix_lens[r] + token;
+        const int64_t start = rows.window > 0 ? std::max<int64_t>(0, pos + 1 - rows.window) : 0;
+        scores.resize(pos + 1 - start);
+        decode_head_special(x.q + t * x.q_stride + h * d, d, kv, h / group,
+                            rows.table + rows.rows[r] * rows.table_cols + start, pos + 1 - start, x.scale, rows.softcap,
+                            rows.sinks ? rows.sinks[h] : -INFINITY, scores.data(), x.out + t * x.out_stride + h * d);
+      }
+    });
+    return;
+  }
+  const std::vector<ExtendTask> tasks = extend_tasks(rows, x.kv_heads, group);
+  const int64_t most_rows = std::max<int64_t>(1, kExtendRows / group) * group;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> scratch(extend_scratch_floats(most_rows, d));
+    for (int64_t i = next++; i < int64_t(tasks.size()); i = next++) run(x, kv, rows, tasks[i], scratch.data());
   });
 }
 

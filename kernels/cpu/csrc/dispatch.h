@@ -8,6 +8,7 @@
 
 #include "attention.h"
 #include "common.h"
+#include "extend.h"
 
 namespace radixlm {
 
@@ -52,5 +53,10 @@ struct DecodeRows {
 };
 void decode_attention_into(const float* q, int64_t q_stride, int64_t heads, int64_t head_dim, const KVLayer& kv,
                            int64_t kv_heads, const DecodeRows& rows, float scale, float* out, Isa isa);
+
+// Attention of the extend rows' new tokens (extend.h), into x.out. Vector paths: tasks of a row's
+// tokens and one KV head's query heads, the costliest first, taken by the threads as they come
+// free. Portable: the decode kernel once per (token, query head).
+void extend_attention_into(const ExtendQueries& x, const KVLayer& kv, const ExtendRows& rows, Isa isa);
 
 }  // namespace radixlm

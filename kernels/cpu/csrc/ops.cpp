@@ -215,33 +215,85 @@ void rope_store(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& 
                     out_slots.data_ptr<int64_t>(), resolve_isa(isa_level));
 }
 
+// An attention op's q (rows of whole query heads, strided) and pools: their dimensions, checked.
+struct AttentionShape {
+  int64_t heads, kv_heads, head_dim;
+};
+
+// gpt-oss's sinks: one logit per query head, or none.
+const float* sink_logits(const std::optional<at::Tensor>& sinks, int64_t heads) {
+  if (!sinks.has_value()) return nullptr;
+  RADIXLM_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
+                    sinks->size(0) == heads && sinks->is_contiguous(),
+                "radixlm: sinks must be a contiguous float32 CPU tensor of one logit per query head (", heads, ")");
+  return sinks->data_ptr<float>();
+}
+
+AttentionShape attention_shape(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool) {
+  RADIXLM_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 2 && q.stride(1) == 1,
+                "radixlm: q must be a float32 [rows, heads * head_dim] CPU tensor with contiguous rows");
+  const int64_t kv_heads = k_pool.dim() == 3 ? k_pool.size(0) : 0, d = k_pool.dim() == 3 ? k_pool.size(2) : 0;
+  RADIXLM_CHECK(d > 0 && kv_heads > 0 && q.size(1) % d == 0 && (q.size(1) / d) % kv_heads == 0,
+                "radixlm: q's ", q.size(1), " columns are not whole query heads of the pool's ", kv_heads, " x ", d);
+  check_pool(k_pool, kv_heads, d, "k_pool");
+  check_pool(v_pool, kv_heads, d, "v_pool");
+  return {q.size(1) / d, kv_heads, d};
+}
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                             const at::Tensor& table, const at::Tensor& rows, const at::Tensor& seq_lens, double scale,
                             int64_t isa_level, int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
   RADIXLM_CHECK(window >= 0 && softcap >= 0, "radixlm: a window and a soft cap are positive (0: none)");
-  RADIXLM_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 2 && q.stride(1) == 1,
-              "radixlm: q must be a float32 [rows, heads * head_dim] CPU tensor with contiguous rows");
-  const int64_t kv_heads = k_pool.size(0), d = k_pool.dim() == 3 ? k_pool.size(2) : 0;
-  RADIXLM_CHECK(d > 0 && q.size(1) % d == 0 && (q.size(1) / d) % kv_heads == 0,
-              "radixlm: q's ", q.size(1), " columns are not whole query heads of the pool's ", kv_heads, " x ", d);
-  const int64_t heads = q.size(1) / d;
-  check_pool(k_pool, kv_heads, d, "k_pool");
-  check_pool(v_pool, kv_heads, d, "v_pool");
+  const auto [heads, kv_heads, d] = attention_shape(q, k_pool, v_pool);
   const KVLayer kv{k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), k_pool.size(1)};
   DecodeRows dr = decode_rows(table, rows, seq_lens, kv.slots);
   dr.window = window;
   dr.softcap = float(softcap);
-  if (sinks.has_value()) {
-    RADIXLM_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
-                      sinks->size(0) == heads && sinks->is_contiguous(),
-                  "radixlm: sinks must be a contiguous float32 CPU tensor of one logit per query head (", heads, ")");
-    dr.sinks = sinks->data_ptr<float>();
-  }
+  dr.sinks = sink_logits(sinks, heads);
   RADIXLM_CHECK(dr.n <= q.size(0), "radixlm: more decode rows than q rows");
   at::Tensor out = at::empty({dr.n, heads * d}, q.options());
   decode_attention_into(q.data_ptr<float>(), q.stride(0), heads, d, kv, kv_heads, dr, float(scale), out.data_ptr<float>(),
                         resolve_isa(isa_level));
   return out;
+}
+
+void extend_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& table,
+                      const at::Tensor& rows, const at::Tensor& prefix_lens, const at::Tensor& extend_lens, double scale,
+                      at::Tensor& out, int64_t isa_level, int64_t window, double softcap,
+                      const std::optional<at::Tensor>& sinks) {
+  RADIXLM_CHECK(window >= 0 && softcap >= 0, "radixlm: a window and a soft cap are positive (0: none)");
+  const AttentionShape shape = attention_shape(q, k_pool, v_pool);
+  const int64_t n = rows.numel(), slots = k_pool.size(1);
+  check_index(rows, n, "rows");
+  check_index(prefix_lens, n, "prefix_lens");
+  check_index(extend_lens, n, "extend_lens");
+  RADIXLM_CHECK(table.device().is_cpu() && table.scalar_type() == at::kLong && table.is_contiguous() && table.dim() == 2,
+                "radixlm: the token table must be a contiguous int64 matrix");
+  const int64_t *row = rows.data_ptr<int64_t>(), *prefix = prefix_lens.data_ptr<int64_t>(),
+                *ext = extend_lens.data_ptr<int64_t>(), *tab = table.data_ptr<int64_t>();
+  const int64_t cols = table.size(1);
+  std::vector<int64_t> starts(n);
+  int64_t tokens = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    RADIXLM_CHECK(row[r] >= 0 && row[r] < table.size(0) && prefix[r] >= 0 && ext[r] > 0 && prefix[r] + ext[r] <= cols,
+                  "radixlm: extend row ", r, " has no valid token-table row, prefix or length");
+    const int64_t first = window > 0 ? std::max<int64_t>(0, prefix[r] + 1 - window) : 0;
+    for (int64_t j = first; j < prefix[r] + ext[r]; ++j)  // every key a token of the row reads
+      RADIXLM_CHECK(tab[row[r] * cols + j] >= 0 && tab[row[r] * cols + j] < slots,
+                    "radixlm: a token-table slot lies outside the pool");
+    starts[r] = tokens;
+    tokens += ext[r];
+  }
+  RADIXLM_CHECK(q.size(0) == tokens, "radixlm: q has ", q.size(0), " rows for the extend rows' ", tokens, " tokens");
+  RADIXLM_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 && out.stride(1) == 1 &&
+                    out.size(0) == tokens && out.size(1) == q.size(1),
+                "radixlm: out must be a float32 [", tokens, ", ", q.size(1), "] CPU tensor with contiguous rows");
+  const ExtendRows er{tab, cols, row, prefix, ext, starts.data(), n, window, float(softcap),
+                      sink_logits(sinks, shape.heads)};
+  const ExtendQueries x{q.data_ptr<float>(), q.stride(0), out.data_ptr<float>(), out.stride(0), shape.heads,
+                        shape.kv_heads, shape.head_dim, float(scale)};
+  const KVLayer kv{k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), slots};
+  extend_attention_into(x, kv, er, resolve_isa(isa_level));
 }
 
 int64_t best_isa_level() { return int64_t(best_isa()); }
@@ -261,6 +313,9 @@ TORCH_LIBRARY(radixlm, m) {
         "Tensor out_slots, int heads, int kv_heads, int isa=-1) -> ()", &rope_store);
   m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, Tensor rows, Tensor seq_lens, "
         "float scale, int isa=-1, int window=0, float softcap=0., Tensor? sinks=None) -> Tensor", &decode_attention);
+  m.def("extend_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, Tensor rows, Tensor prefix_lens, "
+        "Tensor extend_lens, float scale, Tensor(a!) out, int isa=-1, int window=0, float softcap=0., "
+        "Tensor? sinks=None) -> ()", &extend_attention);
 }
 
 }  // namespace radixlm

@@ -1,15 +1,17 @@
 """Attention on radixlm's native CPU kernels (kernels/cpu): the CPU default where they are built.
 
 Per layer, one call rotates the step's q and k in the qkv projection and writes k and v to the
-pool (`rope_store`), and one more attends the decode rows (`decode_attention`: each row's query
-heads over their keys read in place through the token table, no gather, no padding). Extend rows
-(prefill chunks) take the torch backend's path on the K/V already stored: their cost is the
-matmuls, not the call count. Models with q/k norms (Qwen3) rotate in the model and call
-`forward`, which stores with torch and attends the same way. Sliding layers pass their window to
-the decode kernel (each row's last `window` keys) and get their own extend plan; soft-capped
-scores (Gemma 2) are capped in the kernel too, and gpt-oss's sinks join its softmax there.
+pool (`rope_store`), one more attends the decode rows (`decode_attention`: each row's query heads
+over their keys read in place through the token table, no gather, no padding), and one the
+extend rows' new tokens (`extend_attention`: prefill chunks, jump-forward text; the same table,
+a row's tokens and one KV head's query heads attended together a block of keys at a time).
+Nothing is gathered, padded or masked in torch, and nothing is planned per step but the rows'
+lengths. Models with q/k norms (Qwen3) rotate in the model and call `forward`, which stores with
+torch and attends the same way. Sliding layers pass their window (each token's last `window`
+keys, through the window space's table where the pool keeps one); soft-capped scores (Gemma 2)
+are capped in the kernels too, and gpt-oss's sinks join their softmax there.
 
-`invariant` (--deterministic): every token, decode or prefill, is one query of the same
+`invariant` (--deterministic): every token, decode or prefill, is one query of the decode
 kernel over its keys up to its own position, so a token's attention is bitwise the same
 whatever its step holds, however its prompt was chunked and whether it is decoded or
 re-prefilled after a retraction; and the matmuls on the codes are batch invariant as they are.
@@ -22,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from radixlm.kernels import cpu
-from radixlm.runtime.worker.attention.torch_backend import TorchAttention, TorchAttnMeta, prepare_extend, extend_attention
+from radixlm.runtime.worker.attention.base import AttentionBackend
 from radixlm.runtime.worker.forward_batch import ForwardBatch
 
 
@@ -31,7 +33,14 @@ class InvariantMeta(NamedTuple):
     lens: torch.Tensor  # [T] its position + 1: the keys it sees
 
 
-class NativeAttention(TorchAttention):
+class NativeMeta(NamedTuple):
+    num_decode: int  # the step's first rows, one token each
+    extend_rows: torch.Tensor | None  # [E] the other rows' token-table rows (None: no extend row)
+    prefix_lens: torch.Tensor | None  # [E] their tokens already in the pool
+    extend_lens: torch.Tensor | None  # [E] their new tokens
+
+
+class NativeAttention(AttentionBackend):
     fuses_rotary = True
 
     def __init__(self, invariant: bool = False) -> None:
@@ -39,15 +48,18 @@ class NativeAttention(TorchAttention):
         self.invariant = invariant
         self._rope_store = torch.ops.radixlm.rope_store.default
         self._decode = torch.ops.radixlm.decode_attention.default
+        self._extend = torch.ops.radixlm.extend_attention.default
 
     def prepare(self, fb: ForwardBatch) -> None:
         if self.invariant:  # every token a query over its keys up to itself
             fb.attn_meta = InvariantMeta(torch.repeat_interleave(fb.req_rows, fb.extend_lens), fb.positions + 1)
             return
         d = fb.num_decode
-        heads = fb.kv_pool.k_heads[0].shape[0], fb.kv_pool.num_slots
-        extend = prepare_extend(fb.req_to_token.table, fb, d, heads) if d < fb.batch_size else []
-        fb.attn_meta = TorchAttnMeta(d, [], [], extend)
+        if d == fb.batch_size:
+            fb.attn_meta = NativeMeta(d, None, None, None)
+        else:
+            fb.attn_meta = NativeMeta(d, fb.req_rows[d:].contiguous(), fb.prefix_lens[d:].contiguous(),
+                                      fb.extend_lens[d:].contiguous())
 
     def forward_qkv(self, qkv: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor, heads: int, kv_heads: int,
                     layer: int, scale: float, fb: ForwardBatch, window: int | None = None,
@@ -76,20 +88,12 @@ class NativeAttention(TorchAttention):
         if isinstance(meta, InvariantMeta):
             return self._decode(q, k_pool, v_pool, table, meta.rows, meta.lens, scale, -1, w, cap, sinks)
         d = meta.num_decode
-        if not meta.extend:
+        if meta.extend_rows is None:
             return self._decode(q, k_pool, v_pool, table, fb.req_rows, fb.seq_lens, scale, -1, w, cap, sinks)
-        if window is not None:
-            if window not in fb.window_meta:
-                heads = k_pool.shape[0], fb.kv_pool.num_slots
-                fb.window_meta[window] = prepare_extend(table, fb, d, heads, window)
-            extend = fb.window_meta[window]
-        else:
-            extend = meta.extend
-        dim = k_pool.shape[2]
         out = q.new_empty(q.shape[0], q.shape[1])
         if d:
             out[:d] = self._decode(q, k_pool, v_pool, table, fb.req_rows[:d], fb.seq_lens[:d], scale, -1, w, cap,
                                    sinks)
-        q3 = q.reshape(q.shape[0], -1, dim)
-        extend_attention(q3, k_pool, v_pool, scale, extend, out.view(q.shape[0], -1, dim), softcap, sinks)
+        self._extend(q[d:], k_pool, v_pool, table, meta.extend_rows, meta.prefix_lens, meta.extend_lens, scale, out[d:],
+                     -1, w, cap, sinks)
         return out

@@ -1,0 +1,65 @@
+// The AVX-512 path of extend attention: extend_tile.h's loop on 16-lane vectors (head_dim a
+// multiple of 16). Everything after the pragma is built for AVX-512 F; ops.cpp calls it only
+// where cpuid found the avx512 level's features. Its exp is the AVX2 path's, lane for lane.
+#include <immintrin.h>
+
+#include <cmath>
+
+#include "extend.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f")
+
+namespace radixlm {
+namespace {
+
+struct Avx512 {
+  using T = __m512;
+  static constexpr int L = 16;
+  static constexpr int RQ = 12;  // score rows: 24 accumulators, 2 key vectors, a broadcast
+  static constexpr int RP = 4;   // value rows x C vectors: 16 accumulators, 4 value vectors
+  static constexpr int C = 4;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  static T set1(float x) { return _mm512_set1_ps(x); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T max(T a, T b) { return _mm512_max_ps(a, b); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static float hsum(T v) { return _mm512_reduce_add_ps(v); }
+  static float hmax(T v) { return _mm512_reduce_max_ps(v); }
+  // exp as avx2.h's exp_ps: x = k ln2 + r, a degree-6 polynomial in r, times 2^k
+  static T exp(T x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, set1(-87.3f)), set1(88.7f));
+    const T k = _mm512_roundscale_ps(_mm512_mul_ps(x, set1(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    T r = _mm512_fnmadd_ps(k, set1(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, set1(-2.12194440e-4f), r);
+    T p = set1(1.0f / 720);
+    p = fma(p, r, set1(1.0f / 120));
+    p = fma(p, r, set1(1.0f / 24));
+    p = fma(p, r, set1(1.0f / 6));
+    p = fma(p, r, set1(0.5f));
+    p = fma(p, r, set1(1.0f));
+    p = fma(p, r, set1(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  }
+};
+
+}  // namespace
+}  // namespace radixlm
+
+#include "extend_tile.h"
+
+namespace radixlm {
+
+void extend_task_avx512(const ExtendQueries& x, const KVLayer& kv, const ExtendRows& rows, const ExtendTask& task,
+                        float* scratch) {
+  extend_task<Avx512>(x, kv, rows, task, scratch);
+}
+
+}  // namespace radixlm
+
+#pragma GCC pop_options

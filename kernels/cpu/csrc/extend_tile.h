@@ -1,0 +1,201 @@
+// The blocked extend-attention loop, written once for every vector ISA: each ISA's file includes
+// this inside its target region with its vector traits V (lanes L; T the register type; zero,
+// load, store, set1, mul, sub, fma, exp, hmax, hsum; RQ and RP the query rows its score and value
+// kernels keep in registers, C the value vectors a row holds).
+//
+// A task is some tokens of one extend row and the query heads of one KV head: R = tokens x heads
+// query rows against the keys 0..its last token's position, kExtendKeys (B) keys a block. Per
+// block: the keys packed transposed (kt [d][B]) so that a vector holds one dimension of L keys;
+// scores (of the queries scaled once) for RQ rows at a time (each score its dot product summed over d in order, one lane a
+// key); each row's scores capped, masked (keys after its position or before its window)
+// and folded into its running max and sum (the online softmax: earlier blocks' sums rescaled
+// when the max grows); then the block's weighted values added to the row's accumulators, keys in
+// order, each value row read in place from the pool. Every name here has internal linkage: each
+// ISA's file keeps its own instantiations, built for its own instructions.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "extend.h"
+
+namespace radixlm {
+namespace {
+
+constexpr int64_t B = kExtendKeys;
+
+// s[r][0..B) = q[r] . key j for RR rows (q [RR][d]) against the packed block kt [d][B].
+template <class V, int RR>
+inline void score_block(const float* q, int64_t d, const float* kt, float* s) {
+  using T = typename V::T;
+  for (int64_t j = 0; j < B; j += 2 * V::L) {
+    T acc[RR][2];
+    for (int r = 0; r < RR; ++r) acc[r][0] = acc[r][1] = V::zero();
+    for (int64_t i = 0; i < d; ++i) {
+      const T k0 = V::load(kt + i * B + j), k1 = V::load(kt + i * B + j + V::L);
+      for (int r = 0; r < RR; ++r) {
+        const T qv = V::set1(q[r * d + i]);
+        acc[r][0] = V::fma(qv, k0, acc[r][0]);
+        acc[r][1] = V::fma(qv, k1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < RR; ++r) {
+      V::store(s + r * B + j, acc[r][0]);
+      V::store(s + r * B + j + V::L, acc[r][1]);
+    }
+  }
+}
+
+// score_block for the last `rest` (< RR) rows: the kernel of that many rows.
+template <class V, int RR>
+inline void score_rest(int rest, const float* q, int64_t d, const float* kt, float* s) {
+  if constexpr (RR > 0) {
+    if (rest == RR) return score_block<V, RR>(q, d, kt, s);
+    score_rest<V, RR - 1>(rest, q, d, kt, s);
+  }
+}
+
+// acc[r][c0 .. c0 + C L) += sum over keys j < nk, in order, of p[r][j] * value_j for RR rows.
+template <class V, int RR, int C>
+inline void weigh_block(const float* p, const float* const* values, int64_t nk, int64_t c0, float* acc, int64_t d) {
+  using T = typename V::T;
+  T a[RR][C];
+  for (int r = 0; r < RR; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = V::load(acc + r * d + c0 + c * V::L);
+  for (int64_t j = 0; j < nk; ++j) {
+    T v[C];
+    for (int c = 0; c < C; ++c) v[c] = V::load(values[j] + c0 + c * V::L);
+    for (int r = 0; r < RR; ++r) {
+      const T pr = V::set1(p[r * B + j]);
+      for (int c = 0; c < C; ++c) a[r][c] = V::fma(pr, v[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < RR; ++r)
+    for (int c = 0; c < C; ++c) V::store(acc + r * d + c0 + c * V::L, a[r][c]);
+}
+
+// weigh_block over the last `rest` (< C) vectors of the rows' dimensions.
+template <class V, int RR, int C>
+inline void weigh_rest(int rest, const float* p, const float* const* values, int64_t nk, int64_t c0, float* acc,
+                       int64_t d) {
+  if constexpr (C > 0) {
+    if (rest == C) return weigh_block<V, RR, C>(p, values, nk, c0, acc, d);
+    weigh_rest<V, RR, C - 1>(rest, p, values, nk, c0, acc, d);
+  }
+}
+
+// RR rows' weighted values, every dimension: C vectors at a time, then the rest.
+template <class V, int RR>
+inline void weigh_rows(const float* p, const float* const* values, int64_t nk, float* acc, int64_t d) {
+  const int64_t step = V::C * V::L;
+  int64_t c0 = 0;
+  for (; c0 + step <= d; c0 += step) weigh_block<V, RR, V::C>(p, values, nk, c0, acc, d);
+  if (c0 < d) weigh_rest<V, RR, V::C - 1>(int((d - c0) / V::L), p, values, nk, c0, acc, d);
+}
+
+// weigh_rows for the last `rest` (< RP) rows.
+template <class V, int RR>
+inline void weigh_rows_rest(int rest, const float* p, const float* const* values, int64_t nk, float* acc, int64_t d) {
+  if constexpr (RR > 0) {
+    if (rest == RR) return weigh_rows<V, RR>(p, values, nk, acc, d);
+    weigh_rows_rest<V, RR - 1>(rest, p, values, nk, acc, d);
+  }
+}
+
+// Row i's block of scores s[0..B) (keys k0.., nk of them real; its query was scaled) into weights: capped,
+// keys outside [first, last] hidden, folded into the running max m and sum l, and its
+// accumulated values acc[0..d) rescaled if the max grew. Returns false where the row sees no key
+// of the block (its weights are then all zero).
+template <class V>
+inline bool softmax_row(float* s, int64_t k0, int64_t nk, int64_t first, int64_t last, float softcap,
+                        float* m, float* l, float* acc, int64_t d) {
+  using T = typename V::T;
+  const int64_t begin = first > k0 ? first - k0 : 0, end = last - k0 + 1 < nk ? last - k0 + 1 : nk;
+  if (end <= begin) {
+    for (int64_t j = 0; j < B; ++j) s[j] = 0.0f;
+    return false;
+  }
+  if (softcap > 0)
+    for (int64_t j = begin; j < end; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
+  for (int64_t j = 0; j < begin; ++j) s[j] = -INFINITY;
+  for (int64_t j = end; j < B; ++j) s[j] = -INFINITY;
+  T top = V::load(s);
+  for (int64_t j = V::L; j < B; j += V::L) top = V::max(top, V::load(s + j));
+  const float block_top = V::hmax(top), new_m = *m > block_top ? *m : block_top;
+  const T mv = V::set1(new_m);
+  for (int64_t j = 0; j < B; j += V::L) V::store(s + j, V::exp(V::sub(V::load(s + j), mv)));
+  for (int64_t j = 0; j < begin; ++j) s[j] = 0.0f;  // exp's clamp leaves hidden keys ~1e-38, not 0
+  for (int64_t j = end; j < B; ++j) s[j] = 0.0f;
+  T sum = V::load(s);
+  for (int64_t j = V::L; j < B; j += V::L) sum = V::add(sum, V::load(s + j));
+  const float total = V::hsum(sum);
+  if (new_m != *m) {
+    const float corr = std::exp(*m - new_m);  // 0 on the row's first block (m = -inf)
+    const T cv = V::set1(corr);
+    for (int64_t c = 0; c < d; c += V::L) V::store(acc + c, V::mul(V::load(acc + c), cv));
+    *l *= corr;
+    *m = new_m;
+  }
+  *l += total;
+  return true;
+}
+
+template <class V>
+void extend_task(const ExtendQueries& x, const KVLayer& kv, const ExtendRows& er, const ExtendTask& task,
+                 float* scratch) {
+  const int64_t d = x.head_dim, group = x.heads / x.kv_heads, rows = (task.t1 - task.t0) * group;
+  float* q = scratch;           // [rows][d]
+  float* acc = q + rows * d;    // [rows][d]
+  float* s = acc + rows * d;    // [rows][B]
+  float* m = s + rows * B;      // [rows]
+  float* l = m + rows;          // [rows]
+  float* kt = l + rows;         // [d][B]
+  const float* values[B];
+  const int64_t prefix = er.prefix_lens[task.row], token0 = er.token_starts[task.row] + task.t0;
+  const int64_t* slots = er.table + er.rows[task.row] * er.table_cols;
+  const int64_t q_first = prefix + task.t0, q_last = prefix + task.t1 - 1;  // positions of the task's tokens
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* src = x.q + (token0 + i / group) * x.q_stride + (task.kv_head * group + i % group) * d;
+    for (int64_t c = 0; c < d; ++c) q[i * d + c] = src[c] * x.scale, acc[i * d + c] = 0.0f;
+    m[i] = -INFINITY, l[i] = 0.0f;
+  }
+  const float* keys = kv.k + task.kv_head * kv.slots * d;
+  const float* vals = kv.v + task.kv_head * kv.slots * d;
+  const int64_t k_first = er.window > 0 && q_first - er.window + 1 > 0 ? q_first - er.window + 1 : 0;
+  for (int64_t k0 = k_first; k0 <= q_last; k0 += B) {
+    const int64_t nk = q_last + 1 - k0 < B ? q_last + 1 - k0 : B;
+    for (int64_t j = 0; j < nk; ++j) {
+      const float* key = keys + slots[k0 + j] * d;
+      for (int64_t c = 0; c < d; ++c) kt[c * B + j] = key[c];
+      values[j] = vals + slots[k0 + j] * d;
+    }
+    for (int64_t j = nk; j < B; ++j)
+      for (int64_t c = 0; c < d; ++c) kt[c * B + j] = 0.0f;
+    int64_t i = 0;
+    for (; i + V::RQ <= rows; i += V::RQ) score_block<V, V::RQ>(q + i * d, d, kt, s + i * B);
+    if (i < rows) score_rest<V, V::RQ - 1>(int(rows - i), q + i * d, d, kt, s + i * B);
+    int64_t lo = rows, hi = 0;  // the rows that see any key of the block
+    for (i = 0; i < rows; ++i) {
+      const int64_t pos = q_first + i / group, first = er.window > 0 ? pos - er.window + 1 : 0;
+      if (softmax_row<V>(s + i * B, k0, nk, first, pos, er.softcap, m + i, l + i, acc + i * d, d)) {
+        lo = i < lo ? i : lo;
+        hi = i + 1;
+      }
+    }
+    for (i = lo; i + V::RP <= hi; i += V::RP) weigh_rows<V, V::RP>(s + i * B, values, nk, acc + i * d, d);
+    if (i < hi) weigh_rows_rest<V, V::RP - 1>(int(hi - i), s + i * B, values, nk, acc + i * d, d);
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t head = task.kv_head * group + i % group;
+    float inv = 1.0f / l[i];
+    if (er.sinks != nullptr) {  // one more logit, no value: both terms taken against the larger max
+      const float sink = er.sinks[head], top = sink > m[i] ? sink : m[i], f = std::exp(m[i] - top);
+      inv = f / (l[i] * f + std::exp(sink - top));
+    }
+    float* dst = x.out + (token0 + i / group) * x.out_stride + head * d;
+    for (int64_t c = 0; c < d; ++c) dst[c] = acc[i * d + c] * inv;
+  }
+}
+
+}  // namespace
+}  // namespace radixlm
