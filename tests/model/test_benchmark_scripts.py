@@ -46,6 +46,17 @@ def test_step_cost_quick():
     assert "| --deterministic |" in out and re.search(r"^\| 4 \| 1 \| .+ \| [+-][\d.]+% \|$", out, re.M)
 
 
+def test_attention_kernels_quick():
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "attention_kernels.py"), "--quick"],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ))  # no PYTHONPATH: kernels/ would shadow the installed `kernels`
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"^CPU: .+, \d+ cores", done.stdout, re.M), done.stdout
+    rows = re.findall(r"^\| (\d+) x (\d+), (\d+) \| (.+) \|$", done.stdout, re.M)
+    assert [r[:3] for r in rows] == [("1", "256", "768"), ("4", "64", "1000")], done.stdout
+    for *_, cells in rows:  # each path and torch's: a time and a rate (the script checked every path against torch's)
+        assert all(re.fullmatch(r"[\d.]+ ms, \d+ GFLOP/s", c.strip()) for c in cells.split("|")), cells
+
+
 def test_quant_kernels_quick():
     done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "quant_kernels.py"), "--quick"],
                           capture_output=True, text=True, timeout=600, env=dict(os.environ))  # no PYTHONPATH: kernels/ would shadow the installed `kernels`

@@ -1,0 +1,86 @@
+"""Extend attention (prefill chunks over a cached prefix) on this CPU: the native kernel
+(`radixlm.kernels.cpu.extend_attention`) on each ISA path it runs, against what the torch
+backend does (keys and values gathered through the token table, torch's fused SDPA with a
+causal mask).
+
+SmolLM2-135M's heads (9 query heads over 3 KV heads, 64 dimensions), one layer, best of 5:
+ms per call and GFLOP/s (4 d FLOPs a visible (query head, key) pair: its score and its
+weighted value), at the shapes a step meets: a 256-token chunk of a long prompt, a prompt's
+first chunk, and several short prompts on one cached 1,000-token system prompt.
+
+    python benchmarks/attention_kernels.py            # about 10 s
+    python benchmarks/attention_kernels.py --quick    # two shapes (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after site-packages: kernels/ must not shadow the installed `kernels`
+from benchmarks.machine import best_of, cpu_info  # noqa: E402
+from radixlm.kernels import cpu  # noqa: E402
+
+HEADS, KV_HEADS, DIM = 9, 3, 64
+SCALE = DIM ** -0.5
+# (rows, new tokens each, cached prefix): what a prefill step of the online workloads holds
+SHAPES = [(1, 256, 0), (1, 256, 768), (4, 64, 1000), (1, 64, 1000), (8, 32, 500)]
+
+
+def flops(rows: int, new: int, prefix: int) -> float:
+    keys_seen = sum(prefix + j + 1 for j in range(new))
+    return 4.0 * DIM * HEADS * keys_seen * rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model, features = cpu_info()
+    print(f"CPU: {model}, {os.cpu_count()} cores, {args.threads} threads, features: {' '.join(features) or '-'}\n")
+    shapes = SHAPES[1:3] if args.quick else SHAPES
+    paths = list(range(1, cpu.best_isa() + 1)) or [0]  # the portable path is the reference, not a contender
+    print("| rows x new tokens, cached prefix | " + " | ".join(f"native {cpu.ISA_NAMES[i]}" for i in paths)
+          + " | torch gather + SDPA |")
+    print("|---|" + "---|" * (len(paths) + 1))
+    slots = 12000
+    k_pool, v_pool = torch.randn(KV_HEADS, slots, DIM), torch.randn(KV_HEADS, slots, DIM)
+    for rows, new, prefix in shapes:
+        width = prefix + new
+        table = torch.randperm(slots)[: rows * width].view(rows, width)  # scattered slots, as pages are
+        req_rows = torch.arange(rows)
+        prefix_lens, extend_lens = torch.full((rows,), prefix), torch.full((rows,), new)
+        q = torch.randn(rows * new, HEADS * DIM)
+        out = torch.empty_like(q)
+        mask = torch.arange(width)[None, :] <= (prefix + torch.arange(new))[:, None]
+
+        def torch_path() -> torch.Tensor:
+            keys = k_pool[:, table].transpose(0, 1)  # [rows, kv_heads, width, d]
+            values = v_pool[:, table].transpose(0, 1)
+            queries = q.view(rows, new, HEADS, DIM).transpose(1, 2)
+            return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=SCALE, enable_gqa=True)
+
+        want = torch_path().transpose(1, 2).reshape(rows * new, HEADS * DIM)
+        cells = []
+        for isa in paths:
+            got = cpu.extend_attention(q, k_pool, v_pool, table, req_rows, prefix_lens, extend_lens, SCALE, out=out,
+                                       isa=isa)
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (cpu.ISA_NAMES[isa], (got - want).abs().max())
+            t = best_of(5, cpu.extend_attention, q, k_pool, v_pool, table, req_rows, prefix_lens, extend_lens, SCALE,
+                        out, isa)
+            cells.append(t)
+        cells.append(best_of(5, torch_path))
+        work = flops(rows, new, prefix)
+        print(f"| {rows} x {new}, {prefix} | " + " | ".join(f"{t * 1e3:.2f} ms, {work / t / 1e9:.0f} GFLOP/s" for t in cells)
+              + " |")
+
+
+if __name__ == "__main__":
+    main()
