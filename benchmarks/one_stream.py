@@ -72,6 +72,24 @@ def batch1_bytes(engine: LocalEngine) -> int:
     return dense + codes + kv
 
 
+def served_pass(b: Bench, worker: Any, steps: int) -> float:
+    """A served batch-1 step's weight pass: the decoder's one call (every layer's matmuls, with
+    its norms and attention) and the LM head, from wall clocks around both; the median step."""
+    clock = Clock()
+    decoder, real_linear = worker.native_decoder, layers.linear
+    real_run = decoder.run
+    decoder.run, layers.linear = clock.wrap("pass", real_run), clock.wrap("pass", real_linear)  # the LM head: the step's one linear
+    times = []
+    try:
+        for _ in range(steps):
+            clock.spent.clear()
+            b.sched.step()
+            times.append(clock.spent["pass"])
+    finally:
+        decoder.run, layers.linear = real_run, real_linear
+    return statistics.median(times)
+
+
 def run(precision: str, steps: int, bandwidth: float, big: int) -> dict[str, Any]:
     engine = LocalEngine(max_total_tokens=20000, skip_tokenizer_init=True, quantization=precision)
     b = Bench(engine)
@@ -79,7 +97,12 @@ def run(precision: str, steps: int, bandwidth: float, big: int) -> dict[str, Any
     median_step(b, 10)  # warm
     step1 = median_step(b, steps)
     worker = engine.worker
-    b.drop(rids)  # a fresh request (each decodes at most 400 tokens)
+    b.drop(rids)  # a fresh request for each measurement (each decodes at most 400 tokens)
+    weight_pass = None
+    if worker.native_decoder is not None:
+        rids = b.decoding(1)
+        weight_pass = served_pass(b, worker, steps)
+        b.drop(rids)
     decoder, worker.native_decoder = worker.native_decoder, None  # op by op, to time its parts
     rids = b.decoding(1)
     median_step(b, 3)
@@ -103,7 +126,8 @@ def run(precision: str, steps: int, bandwidth: float, big: int) -> dict[str, Any
     step_big = median_step(b, max(5, steps // 5))
     b.drop(rids)
     nbytes = batch1_bytes(engine)
-    out = dict(precision=precision, served=worker.quantization.method, step1=step1, ops1=ops1, step_big=step_big, decoder=decoder is not None,
+    out = dict(precision=precision, served=worker.quantization.method, step1=step1, ops1=ops1, step_big=step_big,
+               decoder=decoder is not None, weight_pass=weight_pass,
                split=split, bytes=nbytes, floor=nbytes / bandwidth, formats=worker.quantization.formats,
                kernels=worker.quantization.kernels)
     engine.shutdown()
@@ -130,6 +154,12 @@ def main() -> None:
               f"{s.get('gemm', 0) * 1e3:.2f} | {s.get('attention', 0) * 1e3:.2f} | {s['rest'] * 1e3:.2f} | "
               f"{r['bytes'] / 1e6:.1f} | {r['floor'] * 1e3:.2f} | {r['step1'] / r['floor']:.1f}x | "
               f"{r['step_big'] * 1e3:.1f} | {big / r['step_big']:.0f} |")
+    for r in rows:
+        if r["weight_pass"] is not None:
+            rate = r["bytes"] / r["weight_pass"]
+            print(f"\n{r['precision']}: the batch-1 weight pass as served (the decoder's call and the LM head) "
+                  f"{r['weight_pass'] * 1e3:.2f} ms for {r['bytes'] / 1e6:.1f} MB: {rate / 1e9:.1f} GB/s, "
+                  f"{rate / machine.bandwidth:.0%} of the copy bandwidth measured above")
     base = rows[0]
     for r in rows[1:]:
         print(f"\n{r['precision']} against none: batch 1 {base['step1'] / r['step1']:.2f}x, "

@@ -103,6 +103,11 @@ def test_one_stream_quick():
         assert all(t > 0 for t in times), r
         assert float(r[8]) > 50, r  # MB read per token: the weights at least
     assert float(rows["auto"][8]) < 0.3 * float(rows["none"][8])  # the codes: a fifth of fp32's bytes
+    # the served pass (the native decoder's call and the LM head) against the same run's copy bandwidth
+    served = re.search(r"^auto: the batch-1 weight pass as served .+ ([\d.]+) ms for ([\d.]+) MB: ([\d.]+) GB/s, (\d+)% of",
+                       done.stdout, re.M)
+    assert served and float(served[2]) == float(rows["auto"][8]), done.stdout
+    assert abs(float(served[2]) / float(served[1]) - float(served[3])) < 0.1, served.group(0)  # MB / ms = GB/s
 
 
 def test_run_all_quick(tmp_path):
