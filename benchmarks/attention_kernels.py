@@ -1,15 +1,17 @@
-"""Extend attention (prefill chunks over a cached prefix) on this CPU: the native kernel
-(`radixlm.kernels.cpu.extend_attention`) on each ISA path it runs, against what the torch
-backend does (keys and values gathered through the token table, torch's fused SDPA with a
-causal mask).
+"""The native attention kernels on this CPU, each ISA path it runs, at SmolLM2-135M's heads (9
+query heads over 3 KV heads, 64 dimensions), one layer, best of 5: ms per call and GFLOP/s (4 d
+FLOPs a visible (query head, key) pair: its score and its weighted value).
 
-SmolLM2-135M's heads (9 query heads over 3 KV heads, 64 dimensions), one layer, best of 5:
-ms per call and GFLOP/s (4 d FLOPs a visible (query head, key) pair: its score and its
-weighted value), at the shapes a step meets: a 256-token chunk of a long prompt, a prompt's
-first chunk, and several short prompts on one cached 1,000-token system prompt.
+1. Extend attention (`radixlm.kernels.cpu.extend_attention`: prefill chunks over a cached
+   prefix) against what the torch backend does (keys and values gathered through the token
+   table, torch's fused SDPA with a causal mask), at the shapes a step meets: a 256-token chunk
+   of a long prompt, a prompt's first chunk, several short prompts on one cached system prompt.
+2. Decode rows on one cached system prompt (`decode_attention`): the exact kernel
+   (--deterministic: each row bitwise itself alone) against the blocked one the default takes
+   (`exact=False`: the rows of a set share the prompt's key blocks).
 
-    python benchmarks/attention_kernels.py            # about 10 s
-    python benchmarks/attention_kernels.py --quick    # two shapes (CI)
+    python benchmarks/attention_kernels.py            # about 15 s
+    python benchmarks/attention_kernels.py --quick    # three shapes (CI)
 """
 
 from __future__ import annotations
@@ -29,11 +31,34 @@ HEADS, KV_HEADS, DIM = 9, 3, 64
 SCALE = DIM ** -0.5
 # (rows, new tokens each, cached prefix): what a prefill step of the online workloads holds
 SHAPES = [(1, 256, 0), (1, 256, 768), (4, 64, 1000), (1, 64, 1000), (8, 32, 500)]
+# (decode rows, the prompt they share, each row's own keys after it)
+DECODE_SHAPES = [(16, 1000, 20), (8, 1000, 20), (16, 4000, 20)]
 
 
 def flops(rows: int, new: int, prefix: int) -> float:
     keys_seen = sum(prefix + j + 1 for j in range(new))
     return 4.0 * DIM * HEADS * keys_seen * rows
+
+
+def decode_table(paths: list[int], shapes: list[tuple[int, int, int]]) -> None:
+    print("\n| decode rows, shared prompt + own keys | " + " | ".join(
+        f"{cpu.ISA_NAMES[i]} exact | {cpu.ISA_NAMES[i]} blocked" for i in paths) + " |")
+    print("|---|" + "---|" * (2 * len(paths)))
+    slots = max(n * (shared + own) for n, shared, own in shapes)
+    k_pool, v_pool = torch.randn(KV_HEADS, slots, DIM), torch.randn(KV_HEADS, slots, DIM)
+    for n, shared, own in shapes:
+        table = torch.randperm(slots)[: n * (shared + own)].view(n, shared + own)
+        table[:, :shared] = table[0, :shared].clone()  # one cached prompt's slots in every row
+        rows, lens = torch.arange(n), torch.full((n,), shared + own)
+        q = torch.randn(n, HEADS * DIM)
+        work = 4.0 * DIM * HEADS * (shared + own) * n
+        cells = []
+        for isa in paths:
+            for exact in (True, False):
+                t = best_of(5, cpu.decode_attention, q, k_pool, v_pool, table, rows, lens, SCALE, isa, 0, 0.0, None,
+                            exact)
+                cells.append(f"{t * 1e6:.0f} us, {work / t / 1e9:.0f} GFLOP/s")
+        print(f"| {n}, {shared} + {own} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:
@@ -80,6 +105,7 @@ def main() -> None:
         work = flops(rows, new, prefix)
         print(f"| {rows} x {new}, {prefix} | " + " | ".join(f"{t * 1e3:.2f} ms, {work / t / 1e9:.0f} GFLOP/s" for t in cells)
               + " |")
+    decode_table(paths, DECODE_SHAPES[:1] if args.quick else DECODE_SHAPES)
 
 
 if __name__ == "__main__":

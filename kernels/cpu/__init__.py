@@ -171,16 +171,20 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos2: torch.Tensor, s
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                      rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, isa: int = -1, window: int = 0,
-                     softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     softcap: float = 0.0, sinks: torch.Tensor | None = None, exact: bool = True) -> torch.Tensor:
     """Attention of decode row r (q [n, heads d] float32, rows contiguous but may be strided, as
     qkv's first columns are; already rotated) over its keys in the pools [kv_heads, slots, d],
     read in place at table[rows[r], :seq_lens[r]] (int64): [n, heads d]. Each (row, query head)
     is one task over its KV head's keys, summed in key order (scores, max, exp and their sum,
     then the weighted values), so a row's output is the same whatever the batch. `window` > 0:
     each row's last `window` keys only; `softcap` > 0: scores capped to softcap * tanh(s / softcap);
-    `sinks` [heads] float32: one more logit in each head's softmax, with no value (gpt-oss)."""
+    `sinks` [heads] float32: one more logit in each head's softmax, with no value (gpt-oss).
+    `exact` False: rows on one cached prompt (their first 64+ keys the same slots) may be attended
+    together by extend_attention's blocked kernel, the prompt's keys packed once a block for all
+    of them: faster, but a row's bits then depend on which rows share its set (True, for
+    --deterministic: every row bitwise itself alone)."""
     return torch.ops.radixlm.decode_attention(q, k_pool, v_pool, table, rows, seq_lens, scale, isa, window, softcap,
-                                              sinks)
+                                              sinks, exact)
 
 
 def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,

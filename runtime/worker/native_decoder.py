@@ -7,7 +7,8 @@ KV pool, and runs every layer of a decode step in one call: embedding in, final 
 
 It calls the same kernels in the same order as the model's own forward on those kernels, so a
 step is bitwise the same either way (tested): whether a step fits the decoder never changes a
-token, under --deterministic too. A step fits when every row decodes one token on the codes
+token, under --deterministic too (the decoder's attention is exact there, as the backend's is:
+each row bitwise itself alone). A step fits when every row decodes one token on the codes
 (any number of rows, or at most the plan's `dense_above` where it keeps dense copies) through
 the native attention backend; anything else (prefill chunks, verify rows, batches on the dense
 copies) runs op by op.
@@ -50,7 +51,8 @@ class NativeDecoder:
         pool = worker.kv_pool
         self._decoder = torch.classes.radixlm.Decoder(
             weights, formats, pool.k_heads, pool.v_heads, model.rotary.cos2, model.rotary.sin2, first.num_heads,
-            first.num_kv_heads, first.head_dim, float(cfg.rms_norm_eps), float(first.scale), first.window or 0)
+            first.num_kv_heads, first.head_dim, float(cfg.rms_norm_eps), float(first.scale), first.window or 0,
+            worker.attn_backend.invariant)
         self.window = first.window
         self.worker = worker
         self.steps = 0  # decode steps run here

@@ -55,6 +55,8 @@ def test_attention_kernels_quick():
     assert [r[:3] for r in rows] == [("1", "256", "768"), ("4", "64", "1000")], done.stdout
     for *_, cells in rows:  # each path and torch's: a time and a rate (the script checked every path against torch's)
         assert all(re.fullmatch(r"[\d.]+ ms, \d+ GFLOP/s", c.strip()) for c in cells.split("|")), cells
+    decode = re.findall(r"^\| 16, 1000 \+ 20 \| (.+) \|$", done.stdout, re.M)  # exact and blocked, each vector path
+    assert len(decode) == 1 and all(re.fullmatch(r"\d+ us, \d+ GFLOP/s", c.strip()) for c in decode[0].split("|")), decode
 
 
 def test_quant_kernels_quick():

@@ -64,9 +64,9 @@ class Decoder : public torch::CustomClassHolder {
 
   Decoder(std::vector<at::Tensor> weights, std::vector<int64_t> formats, std::vector<at::Tensor> k_pools,
           std::vector<at::Tensor> v_pools, at::Tensor cos2, at::Tensor sin2, int64_t heads, int64_t kv_heads,
-          int64_t head_dim, double eps, double scale, int64_t window)
+          int64_t head_dim, double eps, double scale, int64_t window, bool exact)
       : cos2_(std::move(cos2)), sin2_(std::move(sin2)), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim),
-        window_(window), eps_(float(eps)), scale_(float(scale)) {
+        window_(window), eps_(float(eps)), scale_(float(scale)), exact_(exact) {
     RADIXLM_CHECK(window >= 0, "radixlm: Decoder: a window is positive (0: none)");
     const int64_t n_layers = int64_t(k_pools.size());
     RADIXLM_CHECK(n_layers > 0 && int64_t(v_pools.size()) == n_layers && int64_t(weights.size()) == n_layers * kPerLayer + 1 &&
@@ -116,6 +116,7 @@ class Decoder : public torch::CustomClassHolder {
     check_positions(positions, out_slots, n, cos2_.size(0), slots_);
     DecodeRows dr = decode_rows(table, rows, seq_lens, slots_);
     dr.window = window_;
+    dr.exact = exact_;
     RADIXLM_CHECK(dr.n == n, "radixlm: Decoder: ", dr.n, " decode rows for ", n, " tokens");
     const int64_t q_size = heads_ * head_dim_, width = (heads_ + 2 * kv_heads_) * head_dim_;
     const auto options = h.options();
@@ -161,12 +162,13 @@ class Decoder : public torch::CustomClassHolder {
   at::Tensor final_norm_, cos2_, sin2_;
   int64_t heads_, kv_heads_, head_dim_, window_, hidden_ = 0, inner_ = 0, slots_ = 0;
   float eps_, scale_;
+  bool exact_;  // decode attention bitwise each row alone (--deterministic), else rows on one prompt may share blocks
 };
 
 TORCH_LIBRARY_FRAGMENT(radixlm, m) {
   m.class_<Decoder>("Decoder")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double, int64_t>())
+                       at::Tensor, at::Tensor, int64_t, int64_t, int64_t, double, double, int64_t, bool>())
       .def("forward", &Decoder::forward);
 }
 

@@ -21,6 +21,15 @@ constexpr int64_t kSliceBytes = 128 << 10;  // a matmul's activation rows a task
 
 int64_t grain(int64_t cost_per_row) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cost_per_row)); }
 
+using BlockedKernel = void (*)(const QueryLayout&, const KVLayer&, const BlockedTask&, float*, int64_t*);
+
+// The blocked attention kernel of the ISA where it takes the head dimension, else null.
+BlockedKernel blocked_kernel(Isa isa, int64_t head_dim) {
+  return isa == Isa::avx512 && blocked_avx512_takes(head_dim) ? attend_sources_avx512
+         : isa >= Isa::avx2 && blocked_avx2_takes(head_dim)    ? attend_sources_avx2
+                                                               : nullptr;
+}
+
 }  // namespace
 
 void quantize_into(const float* x, int64_t rows, int64_t cols, const ActivationBuffer& out, Isa isa) {
@@ -164,16 +173,28 @@ void decode_attention_into(const float* q, int64_t q_stride, int64_t heads, int6
   const int64_t threads = at::get_num_threads();
   if (isa >= Isa::avx2 && group > 1 && decode_group_takes(group, head_dim) && rows.n * kv_heads >= 2 * threads) {
     const std::vector<RowSet> sets = row_sets(rows, std::clamp<int64_t>(rows.n * kv_heads / (2 * threads), 2, 8));
+    const BlockedKernel blocked = rows.exact ? nullptr : blocked_kernel(isa, head_dim);
+    const QueryLayout layout{q, q_stride, out, heads * head_dim, heads, kv_heads, head_dim, scale};
     at::parallel_for(0, int64_t(sets.size()) * kv_heads, 1, [&](int64_t a, int64_t b) {
       std::vector<float> scratch;
       std::vector<const float*> qs;
       std::vector<const int64_t*> keys;
-      std::vector<int64_t> lens;
+      std::vector<int64_t> lens, positions;
       std::vector<float*> outs;
+      std::vector<QuerySource> sources;
       for (int64_t task = a; task < b; ++task) {
         const RowSet& set = sets[task / kv_heads];
-        const int64_t h = task % kv_heads, first = h * group;
-        if (set.rows.size() == 1) {
+        const int64_t h = task % kv_heads, first = h * group, n = int64_t(set.rows.size());
+        if (n > 1 && blocked != nullptr) {  // not bitwise each row alone: the set's rows share the key blocks' packing
+          sources.clear();
+          for (int64_t r : set.rows)
+            sources.push_back({r, 1, rows.seq_lens[r] - 1, rows.table + rows.rows[r] * rows.table_cols});
+          scratch.resize(blocked_scratch_floats(n * group, head_dim));
+          positions.resize(n * group);
+          blocked(layout, kv, {sources.data(), n, h, set.shared}, scratch.data(), positions.data());
+          continue;
+        }
+        if (n == 1) {
           const int64_t r = set.rows[0], start = first_key(r);
           scratch.resize(group * longest);
           decode_group_avx2(q + r * q_stride + first * head_dim, group, head_dim, kv, h,
@@ -210,6 +231,11 @@ void decode_attention_into(const float* q, int64_t q_stride, int64_t heads, int6
 
 namespace {
 
+// One extend task: tokens [t0, t1) of extend row `row`, the query heads of KV head `kv_head`.
+struct ExtendTask {
+  int64_t row, kv_head, t0, t1;
+};
+
 // Query rows (tokens x query heads of a KV head) an extend task takes at most: its scores and
 // values stay in L2 beside a block of keys. Fewer where that would leave under kTasksPerThread
 // tasks a thread to balance (one 64-token row of SmolLM2 is 3 such tasks: 2:1 on two threads),
@@ -236,11 +262,9 @@ std::vector<ExtendTask> extend_tasks(const ExtendRows& rows, int64_t kv_heads, i
 
 }  // namespace
 
-void extend_attention_into(const ExtendQueries& x, const KVLayer& kv, const ExtendRows& rows, Isa isa) {
+void extend_attention_into(const QueryLayout& x, const KVLayer& kv, const ExtendRows& rows, Isa isa) {
   const int64_t group = x.heads / x.kv_heads, d = x.head_dim;
-  auto run = isa == Isa::avx512 && extend_avx512_takes(d) ? extend_task_avx512
-             : isa >= Isa::avx2 && extend_avx2_takes(d)    ? extend_task_avx2
-                                                           : nullptr;
+  const BlockedKernel run = blocked_kernel(isa, d);
   if (run == nullptr) {  // the decode kernel for each (token, query head), over its keys in order
     std::vector<int64_t> token_row;
     for (int64_t r = 0; r < rows.n; ++r) token_row.insert(token_row.end(), rows.extend_lens[r], r);
@@ -261,10 +285,18 @@ void extend_attention_into(const ExtendQueries& x, const KVLayer& kv, const Exte
   }
   const std::vector<ExtendTask> tasks = extend_tasks(rows, x.kv_heads, group);
   const int64_t most_rows = std::max<int64_t>(1, kExtendRows / group) * group;
-  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> next{0};  // the costliest first, to whichever thread is free
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> scratch(extend_scratch_floats(most_rows, d));
-    for (int64_t i = next++; i < int64_t(tasks.size()); i = next++) run(x, kv, rows, tasks[i], scratch.data());
+    std::vector<float> scratch(blocked_scratch_floats(most_rows, d));
+    std::vector<int64_t> positions(most_rows);
+    for (int64_t i = next++; i < int64_t(tasks.size()); i = next++) {
+      const ExtendTask& t = tasks[i];
+      const int64_t prefix = rows.prefix_lens[t.row];
+      const QuerySource source{rows.token_starts[t.row] + t.t0, t.t1 - t.t0, prefix + t.t0,
+                               rows.table + rows.rows[t.row] * rows.table_cols};
+      run(x, kv, {&source, 1, t.kv_head, prefix + t.t1, rows.window, rows.softcap, rows.sinks}, scratch.data(),
+          positions.data());
+    }
   });
 }
 

@@ -50,6 +50,9 @@ struct DecodeRows {
   int64_t window = 0;
   float softcap = 0.0f;
   const float* sinks = nullptr;
+  // false: rows on one cached prompt may take the blocked kernel (extend.h), faster with more
+  // rows but each row's bits then depend on its set's; true (--deterministic): bitwise alone
+  bool exact = true;
 };
 void decode_attention_into(const float* q, int64_t q_stride, int64_t heads, int64_t head_dim, const KVLayer& kv,
                            int64_t kv_heads, const DecodeRows& rows, float scale, float* out, Isa isa);
@@ -57,6 +60,6 @@ void decode_attention_into(const float* q, int64_t q_stride, int64_t heads, int6
 // Attention of the extend rows' new tokens (extend.h), into x.out. Vector paths: tasks of a row's
 // tokens and one KV head's query heads, the costliest first, taken by the threads as they come
 // free. Portable: the decode kernel once per (token, query head).
-void extend_attention_into(const ExtendQueries& x, const KVLayer& kv, const ExtendRows& rows, Isa isa);
+void extend_attention_into(const QueryLayout& x, const KVLayer& kv, const ExtendRows& rows, Isa isa);
 
 }  // namespace radixlm

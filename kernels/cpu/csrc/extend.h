@@ -1,7 +1,8 @@
 // Extend attention (prefill chunks): each new token of a row attends the row's keys up to its own
 // position, read in place from the head-major pool through the token table. The vector paths
 // are one blocked, online-softmax loop (extend_tile.h) built per ISA; the portable path is the
-// decode kernel run once per (token, query head), and the reference for both.
+// decode kernel run once per (token, query head), and the reference for both. The same blocked
+// loop also serves decode rows on one cached prompt outside --deterministic (dispatch.cpp).
 #pragma once
 
 #include <cstdint>
@@ -28,7 +29,7 @@ struct ExtendRows {
   const float* sinks = nullptr;
 };
 
-struct ExtendQueries {  // [tokens, heads * head_dim] in and out, rows strided
+struct QueryLayout {  // query rows [tokens, heads * head_dim] in, and out, rows strided
   const float* q;
   int64_t q_stride;
   float* out;
@@ -37,25 +38,41 @@ struct ExtendQueries {  // [tokens, heads * head_dim] in and out, rows strided
   float scale;
 };
 
-// One task: tokens [t0, t1) of extend row `row`, the query heads of KV head `kv_head`.
-struct ExtendTask {
-  int64_t row, kv_head, t0, t1;
+// Consecutive tokens of one request as query rows of a blocked task: rows token .. token + tokens
+// - 1 of q and out, at positions position.., their keys through its token-table row `slots`.
+struct QuerySource {
+  int64_t token, tokens, position;
+  const int64_t* slots;
 };
 
-constexpr int64_t kExtendKeys = 64;  // keys a block of the vector paths
+// The query heads of KV head `kv_head` for `n` sources whose keys [0, common) are the same slots
+// (requests on one cached prompt; a lone source: every key it reads), attended by the blocked
+// kernel: those keys a block at a time for every source's rows at once, then each source's own
+// keys for its rows alone. Each token sees the keys up to its position (the last `window` of
+// them where window > 0; then one source only); softcap and sinks as ExtendRows'.
+struct BlockedTask {
+  const QuerySource* sources;
+  int64_t n, kv_head, common;
+  int64_t window = 0;
+  float softcap = 0.0f;
+  const float* sinks = nullptr;
+};
 
-// Floats of scratch a task of `query_rows` (tokens x query heads of its KV head) needs.
-inline int64_t extend_scratch_floats(int64_t query_rows, int64_t head_dim) {
+constexpr int64_t kExtendKeys = 64;  // keys a block of the blocked kernel
+
+// Scratch a task of `query_rows` rows (tokens x query heads of its KV head) needs: floats, and
+// one position a row.
+inline int64_t blocked_scratch_floats(int64_t query_rows, int64_t head_dim) {
   return query_rows * (2 * head_dim + kExtendKeys + 2) + kExtendKeys * head_dim;
 }
 
 // Whether the ISA's blocked kernel takes a head dimension (its vectors must tile it exactly).
-inline bool extend_avx2_takes(int64_t head_dim) { return head_dim % 8 == 0 && head_dim <= 512; }
-inline bool extend_avx512_takes(int64_t head_dim) { return head_dim % 16 == 0 && head_dim <= 512; }
+inline bool blocked_avx2_takes(int64_t head_dim) { return head_dim % 8 == 0 && head_dim <= 512; }
+inline bool blocked_avx512_takes(int64_t head_dim) { return head_dim % 16 == 0 && head_dim <= 512; }
 
-void extend_task_avx2(const ExtendQueries& x, const KVLayer& kv, const ExtendRows& rows, const ExtendTask& task,
-                      float* scratch);
-void extend_task_avx512(const ExtendQueries& x, const KVLayer& kv, const ExtendRows& rows, const ExtendTask& task,
-                        float* scratch);
+void attend_sources_avx2(const QueryLayout& x, const KVLayer& kv, const BlockedTask& task, float* scratch,
+                         int64_t* positions);
+void attend_sources_avx512(const QueryLayout& x, const KVLayer& kv, const BlockedTask& task, float* scratch,
+                           int64_t* positions);
 
 }  // namespace radixlm

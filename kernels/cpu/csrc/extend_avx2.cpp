@@ -45,9 +45,9 @@ struct Avx2 {
 
 namespace radixlm {
 
-void extend_task_avx2(const ExtendQueries& x, const KVLayer& kv, const ExtendRows& rows, const ExtendTask& task,
-                      float* scratch) {
-  extend_task<Avx2>(x, kv, rows, task, scratch);
+void attend_sources_avx2(const QueryLayout& x, const KVLayer& kv, const BlockedTask& task, float* scratch,
+                         int64_t* positions) {
+  attend_sources<Avx2>(x, kv, task, scratch, positions);
 }
 
 }  // namespace radixlm

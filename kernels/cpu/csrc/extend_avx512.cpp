@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "avx2.h"
 #include "extend.h"
 
 #pragma GCC push_options
@@ -55,9 +56,9 @@ struct Avx512 {
 
 namespace radixlm {
 
-void extend_task_avx512(const ExtendQueries& x, const KVLayer& kv, const ExtendRows& rows, const ExtendTask& task,
-                        float* scratch) {
-  extend_task<Avx512>(x, kv, rows, task, scratch);
+void attend_sources_avx512(const QueryLayout& x, const KVLayer& kv, const BlockedTask& task, float* scratch,
+                           int64_t* positions) {
+  attend_sources<Avx512>(x, kv, task, scratch, positions);
 }
 
 }  // namespace radixlm

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "avx2.h"
 #include "extend.h"
 
 namespace radixlm {
@@ -140,60 +141,84 @@ inline bool softmax_row(float* s, int64_t k0, int64_t nk, int64_t first, int64_t
   return true;
 }
 
+// The task's query rows [lo, hi) against keys [k_from, k_to) read through `slots`, a block at a
+// time, folded into their running softmax (m, l) and values (acc). pos[i]: row i's position (it
+// sees keys up to it, and the last `window` of them where window > 0).
 template <class V>
-void extend_task(const ExtendQueries& x, const KVLayer& kv, const ExtendRows& er, const ExtendTask& task,
-                 float* scratch) {
-  const int64_t d = x.head_dim, group = x.heads / x.kv_heads, rows = (task.t1 - task.t0) * group;
-  float* q = scratch;           // [rows][d]
-  float* acc = q + rows * d;    // [rows][d]
-  float* s = acc + rows * d;    // [rows][B]
-  float* m = s + rows * B;      // [rows]
-  float* l = m + rows;          // [rows]
-  float* kt = l + rows;         // [d][B]
+void attend_range(const KVLayer& kv, int64_t kv_head, int64_t d, const int64_t* slots, int64_t k_from, int64_t k_to,
+                  int64_t lo, int64_t hi, const int64_t* pos, int64_t window, float softcap, const float* q, float* acc,
+                  float* s, float* m, float* l, float* kt) {
+  const float* keys = kv.k + kv_head * kv.slots * d;
+  const float* vals = kv.v + kv_head * kv.slots * d;
   const float* values[B];
-  const int64_t prefix = er.prefix_lens[task.row], token0 = er.token_starts[task.row] + task.t0;
-  const int64_t* slots = er.table + er.rows[task.row] * er.table_cols;
-  const int64_t q_first = prefix + task.t0, q_last = prefix + task.t1 - 1;  // positions of the task's tokens
-  for (int64_t i = 0; i < rows; ++i) {
-    const float* src = x.q + (token0 + i / group) * x.q_stride + (task.kv_head * group + i % group) * d;
-    for (int64_t c = 0; c < d; ++c) q[i * d + c] = src[c] * x.scale, acc[i * d + c] = 0.0f;
-    m[i] = -INFINITY, l[i] = 0.0f;
-  }
-  const float* keys = kv.k + task.kv_head * kv.slots * d;
-  const float* vals = kv.v + task.kv_head * kv.slots * d;
-  const int64_t k_first = er.window > 0 && q_first - er.window + 1 > 0 ? q_first - er.window + 1 : 0;
-  for (int64_t k0 = k_first; k0 <= q_last; k0 += B) {
-    const int64_t nk = q_last + 1 - k0 < B ? q_last + 1 - k0 : B;
-    for (int64_t j = 0; j < nk; ++j) {
-      const float* key = keys + slots[k0 + j] * d;
-      for (int64_t c = 0; c < d; ++c) kt[c * B + j] = key[c];
-      values[j] = vals + slots[k0 + j] * d;
-    }
+  const int64_t rows = hi - lo;
+  q += lo * d, acc += lo * d, s += lo * B, m += lo, l += lo, pos += lo;
+  for (int64_t k0 = k_from; k0 < k_to; k0 += B) {
+    const int64_t nk = k_to - k0 < B ? k_to - k0 : B;
+    pack_transposed(keys, slots + k0, nk, d, B, kt);
+    for (int64_t j = 0; j < nk; ++j) values[j] = vals + slots[k0 + j] * d;
     for (int64_t j = nk; j < B; ++j)
       for (int64_t c = 0; c < d; ++c) kt[c * B + j] = 0.0f;
     int64_t i = 0;
     for (; i + V::RQ <= rows; i += V::RQ) score_block<V, V::RQ>(q + i * d, d, kt, s + i * B);
     if (i < rows) score_rest<V, V::RQ - 1>(int(rows - i), q + i * d, d, kt, s + i * B);
-    int64_t lo = rows, hi = 0;  // the rows that see any key of the block
+    int64_t first_row = rows, end_row = 0;  // the rows that see any key of the block
     for (i = 0; i < rows; ++i) {
-      const int64_t pos = q_first + i / group, first = er.window > 0 ? pos - er.window + 1 : 0;
-      if (softmax_row<V>(s + i * B, k0, nk, first, pos, er.softcap, m + i, l + i, acc + i * d, d)) {
-        lo = i < lo ? i : lo;
-        hi = i + 1;
+      const int64_t first = window > 0 ? pos[i] - window + 1 : 0;
+      if (softmax_row<V>(s + i * B, k0, nk, first, pos[i], softcap, m + i, l + i, acc + i * d, d)) {
+        first_row = i < first_row ? i : first_row;
+        end_row = i + 1;
       }
     }
-    for (i = lo; i + V::RP <= hi; i += V::RP) weigh_rows<V, V::RP>(s + i * B, values, nk, acc + i * d, d);
-    if (i < hi) weigh_rows_rest<V, V::RP - 1>(int(hi - i), s + i * B, values, nk, acc + i * d, d);
+    for (i = first_row; i + V::RP <= end_row; i += V::RP) weigh_rows<V, V::RP>(s + i * B, values, nk, acc + i * d, d);
+    if (i < end_row) weigh_rows_rest<V, V::RP - 1>(int(end_row - i), s + i * B, values, nk, acc + i * d, d);
   }
-  for (int64_t i = 0; i < rows; ++i) {
-    const int64_t head = task.kv_head * group + i % group;
-    float inv = 1.0f / l[i];
-    if (er.sinks != nullptr) {  // one more logit, no value: both terms taken against the larger max
-      const float sink = er.sinks[head], top = sink > m[i] ? sink : m[i], f = std::exp(m[i] - top);
-      inv = f / (l[i] * f + std::exp(sink - top));
+}
+
+template <class V>
+void attend_sources(const QueryLayout& x, const KVLayer& kv, const BlockedTask& task, float* scratch, int64_t* pos) {
+  const int64_t d = x.head_dim, group = x.heads / x.kv_heads;
+  int64_t rows = 0;
+  for (int64_t k = 0; k < task.n; ++k) rows += task.sources[k].tokens * group;
+  float* q = scratch;           // [rows][d]: source by source, token by token, head by head
+  float* acc = q + rows * d;    // [rows][d]
+  float* s = acc + rows * d;    // [rows][B]
+  float* m = s + rows * B;      // [rows]
+  float* l = m + rows;          // [rows]
+  float* kt = l + rows;         // [d][B]
+  for (int64_t k = 0, i = 0; k < task.n; ++k) {
+    const QuerySource& src = task.sources[k];
+    for (int64_t r = 0; r < src.tokens * group; ++r, ++i) {
+      const float* from = x.q + (src.token + r / group) * x.q_stride + (task.kv_head * group + r % group) * d;
+      for (int64_t c = 0; c < d; ++c) q[i * d + c] = from[c] * x.scale, acc[i * d + c] = 0.0f;
+      m[i] = -INFINITY, l[i] = 0.0f, pos[i] = src.position + r / group;
     }
-    float* dst = x.out + (token0 + i / group) * x.out_stride + head * d;
-    for (int64_t c = 0; c < d; ++c) dst[c] = acc[i * d + c] * inv;
+  }
+  // the keys every source shares, once for all rows; then each source's own, for its rows alone
+  const QuerySource& lead = task.sources[0];
+  const int64_t k_first = task.window > 0 && lead.position - task.window + 1 > 0 ? lead.position - task.window + 1 : 0;
+  attend_range<V>(kv, task.kv_head, d, lead.slots, k_first, task.common, 0, rows, pos, task.window, task.softcap, q,
+                  acc, s, m, l, kt);
+  for (int64_t k = 0, i = 0; k < task.n; ++k) {
+    const QuerySource& src = task.sources[k];
+    const int64_t end = src.position + src.tokens, own = src.tokens * group;
+    if (end > task.common)
+      attend_range<V>(kv, task.kv_head, d, src.slots, task.common > k_first ? task.common : k_first, end, i, i + own,
+                      pos, task.window, task.softcap, q, acc, s, m, l, kt);
+    i += own;
+  }
+  for (int64_t k = 0, i = 0; k < task.n; ++k) {
+    const QuerySource& src = task.sources[k];
+    for (int64_t r = 0; r < src.tokens * group; ++r, ++i) {
+      const int64_t head = task.kv_head * group + r % group;
+      float inv = 1.0f / l[i];
+      if (task.sinks != nullptr) {  // one more logit, no value: both terms taken against the larger max
+        const float sink = task.sinks[head], top = sink > m[i] ? sink : m[i], f = std::exp(m[i] - top);
+        inv = f / (l[i] * f + std::exp(sink - top));
+      }
+      float* dst = x.out + (src.token + r / group) * x.out_stride + head * d;
+      for (int64_t c = 0; c < d; ++c) dst[c] = acc[i * d + c] * inv;
+    }
   }
 }
 

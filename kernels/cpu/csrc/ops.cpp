@@ -242,7 +242,8 @@ AttentionShape attention_shape(const at::Tensor& q, const at::Tensor& k_pool, co
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                             const at::Tensor& table, const at::Tensor& rows, const at::Tensor& seq_lens, double scale,
-                            int64_t isa_level, int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
+                            int64_t isa_level, int64_t window, double softcap, const std::optional<at::Tensor>& sinks,
+                            bool exact) {
   RADIXLM_CHECK(window >= 0 && softcap >= 0, "radixlm: a window and a soft cap are positive (0: none)");
   const auto [heads, kv_heads, d] = attention_shape(q, k_pool, v_pool);
   const KVLayer kv{k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), k_pool.size(1)};
@@ -250,6 +251,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
   dr.window = window;
   dr.softcap = float(softcap);
   dr.sinks = sink_logits(sinks, heads);
+  dr.exact = exact;
   RADIXLM_CHECK(dr.n <= q.size(0), "radixlm: more decode rows than q rows");
   at::Tensor out = at::empty({dr.n, heads * d}, q.options());
   decode_attention_into(q.data_ptr<float>(), q.stride(0), heads, d, kv, kv_heads, dr, float(scale), out.data_ptr<float>(),
@@ -290,8 +292,8 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::T
                 "radixlm: out must be a float32 [", tokens, ", ", q.size(1), "] CPU tensor with contiguous rows");
   const ExtendRows er{tab, cols, row, prefix, ext, starts.data(), n, window, float(softcap),
                       sink_logits(sinks, shape.heads)};
-  const ExtendQueries x{q.data_ptr<float>(), q.stride(0), out.data_ptr<float>(), out.stride(0), shape.heads,
-                        shape.kv_heads, shape.head_dim, float(scale)};
+  const QueryLayout x{q.data_ptr<float>(), q.stride(0), out.data_ptr<float>(), out.stride(0), shape.heads,
+                      shape.kv_heads, shape.head_dim, float(scale)};
   const KVLayer kv{k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), slots};
   extend_attention_into(x, kv, er, resolve_isa(isa_level));
 }
@@ -312,7 +314,8 @@ TORCH_LIBRARY(radixlm, m) {
   m.def("rope_store(Tensor(a!) qkv, Tensor positions, Tensor cos2, Tensor sin2, Tensor(b!) k_pool, Tensor(c!) v_pool, "
         "Tensor out_slots, int heads, int kv_heads, int isa=-1) -> ()", &rope_store);
   m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, Tensor rows, Tensor seq_lens, "
-        "float scale, int isa=-1, int window=0, float softcap=0., Tensor? sinks=None) -> Tensor", &decode_attention);
+        "float scale, int isa=-1, int window=0, float softcap=0., Tensor? sinks=None, bool exact=True) -> Tensor",
+        &decode_attention);
   m.def("extend_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, Tensor rows, Tensor prefix_lens, "
         "Tensor extend_lens, float scale, Tensor(a!) out, int isa=-1, int window=0, float softcap=0., "
         "Tensor? sinks=None) -> ()", &extend_attention);

@@ -89,11 +89,11 @@ class NativeAttention(AttentionBackend):
             return self._decode(q, k_pool, v_pool, table, meta.rows, meta.lens, scale, -1, w, cap, sinks)
         d = meta.num_decode
         if meta.extend_rows is None:
-            return self._decode(q, k_pool, v_pool, table, fb.req_rows, fb.seq_lens, scale, -1, w, cap, sinks)
+            return self._decode(q, k_pool, v_pool, table, fb.req_rows, fb.seq_lens, scale, -1, w, cap, sinks, False)
         out = q.new_empty(q.shape[0], q.shape[1])
         if d:
             out[:d] = self._decode(q, k_pool, v_pool, table, fb.req_rows[:d], fb.seq_lens[:d], scale, -1, w, cap,
-                                   sinks)
+                                   sinks, False)
         self._extend(q[d:], k_pool, v_pool, table, meta.extend_rows, meta.prefix_lens, meta.extend_lens, scale, out[d:],
                      -1, w, cap, sinks)
         return out
