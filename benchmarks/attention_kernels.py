@@ -16,7 +16,6 @@ FLOPs a visible (query head, key) pair: its score and its weighted value).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after site-packages: kernels/ must not shadow the installed `kernels`
-from benchmarks.machine import best_of, cpu_info  # noqa: E402
+from benchmarks.machine import best_of, kernel_bench_args  # noqa: E402
 from radixlm.kernels import cpu  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
@@ -62,14 +61,8 @@ def decode_table(paths: list[int], shapes: list[tuple[int, int, int]]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    model, features = cpu_info()
-    print(f"CPU: {model}, {os.cpu_count()} cores, {args.threads} threads, features: {' '.join(features) or '-'}\n")
+    args = kernel_bench_args()
+    print()
     shapes = SHAPES[1:3] if args.quick else SHAPES
     paths = list(range(1, cpu.best_isa() + 1)) or [0]  # the portable path is the reference, not a contender
     print("| rows x new tokens, cached prefix | " + " | ".join(f"native {cpu.ISA_NAMES[i]}" for i in paths)

@@ -3,6 +3,7 @@ and its measured copy bandwidth and fp32 matmul rate (the roofline a step is hel
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from dataclasses import dataclass
@@ -46,6 +47,20 @@ def cpu_info() -> tuple[str, list[str]]:
 
 
 # SmolLM2-135M's matrix shapes: (out, in) of qkv, o, gate_up, down per layer; the LM head apart
+def kernel_bench_args() -> argparse.Namespace:
+    """The kernel tables' command line (--quick, --threads): torch's threads set, the seed fixed,
+    and the CPU line every table stands beside printed."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model, features = cpu_info()
+    print(f"CPU: {model}, {os.cpu_count()} cores, {args.threads} threads, features: {' '.join(features) or '-'}")
+    return args
+
+
 HIDDEN, INTER, QKV, VOCAB = 576, 1536, 960, 49152
 
 

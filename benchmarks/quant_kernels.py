@@ -16,7 +16,6 @@ arithmetic, not the quantization's).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from typing import Callable
@@ -25,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after site-packages: kernels/ must not shadow the installed `kernels`
-from benchmarks.machine import HIDDEN, INTER, best_of, cpu_info, smollm2_shapes  # noqa: E402
+from benchmarks.machine import HIDDEN, INTER, best_of, kernel_bench_args, smollm2_shapes  # noqa: E402
 from radixlm.kernels import cpu  # noqa: E402
 from radixlm.runtime.worker import gemm, quant  # noqa: E402
 
@@ -38,18 +37,11 @@ def codes(w: torch.Tensor, bits: int) -> quant.QuantizedMatrix:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    args = kernel_bench_args()
     layers = 2 if args.quick else 30
     weights = [torch.randn(o, i) * 0.02 for o, i in smollm2_shapes(layers)]
     served = {bits: [codes(w, bits) for w in weights] for bits in (4, 8)}
     fp32_bytes = sum(w.numel() * 4 for w in weights)
-    model, features = cpu_info()
-    print(f"CPU: {model}, {os.cpu_count()} cores, {args.threads} threads, features: {' '.join(features) or '-'}")
     print(f"{len(weights)} matrices ({layers} layers + LM head): fp32 {fp32_bytes / 1e6:.0f} MB, "
           + ", ".join(f"int{bits} {sum(q.code_bytes for q in qs) / 1e6:.0f} MB" for bits, qs in served.items()) + "\n")
 
