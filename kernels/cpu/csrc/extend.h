@@ -60,8 +60,8 @@ struct BlockedTask {
 
 constexpr int64_t kExtendKeys = 64;  // keys a block of the blocked kernel
 
-// Scratch a task of `query_rows` rows (tokens x query heads of its KV head) needs: floats, and
-// one position a row.
+// The floats of scratch a task of `query_rows` rows (tokens x query heads of its KV head) needs
+// (and beside them, one int64 position a row).
 inline int64_t blocked_scratch_floats(int64_t query_rows, int64_t head_dim) {
   return query_rows * (2 * head_dim + kExtendKeys + 2) + kExtendKeys * head_dim;
 }

@@ -1,17 +1,18 @@
-// The blocked extend-attention loop, written once for every vector ISA: each ISA's file includes
-// this inside its target region with its vector traits V (lanes L; T the register type; zero,
-// load, store, set1, mul, sub, fma, exp, hmax, hsum; RQ and RP the query rows its score and value
-// kernels keep in registers, C the value vectors a row holds).
+// The blocked attention loop (extend.h's BlockedTask), written once for every vector ISA: each
+// ISA's file includes this inside its target region with its vector traits V (lanes L; T the
+// register type; zero, load, store, set1, add, sub, mul, max, fma, exp, hmax, hsum; RQ and RP the
+// query rows its score and value kernels keep in registers, C the value vectors a row holds).
 //
-// A task is some tokens of one extend row and the query heads of one KV head: R = tokens x heads
-// query rows against the keys 0..its last token's position, kExtendKeys (B) keys a block. Per
-// block: the keys packed transposed (kt [d][B]) so that a vector holds one dimension of L keys;
-// scores (of the queries scaled once) for RQ rows at a time (each score its dot product summed over d in order, one lane a
-// key); each row's scores capped, masked (keys after its position or before its window)
-// and folded into its running max and sum (the online softmax: earlier blocks' sums rescaled
-// when the max grows); then the block's weighted values added to the row's accumulators, keys in
-// order, each value row read in place from the pool. Every name here has internal linkage: each
-// ISA's file keeps its own instantiations, built for its own instructions.
+// A task's query rows (its sources' tokens x one KV head's query heads) go over their keys
+// kExtendKeys (B) at a time: first the keys every source shares, for all the rows, then each
+// source's own keys for its rows. Per block: the keys packed transposed (kt [d][B]) so that a
+// vector holds one dimension of L keys; scores of the queries (scaled once) for RQ rows at a time,
+// each its dot product summed over d in order, one lane a key; each row's scores capped, masked
+// (keys after its position or before its window) and folded into its running max and sum (the
+// online softmax: earlier blocks' sums rescaled when the max grows); then the block's weighted
+// values added to the row's accumulators, keys in order, each value row read in place from the
+// pool. Every name here has internal linkage: each ISA's file keeps its own instantiations, built
+// for its own instructions.
 #pragma once
 
 #include <cmath>
@@ -155,10 +156,9 @@ void attend_range(const KVLayer& kv, int64_t kv_head, int64_t d, const int64_t* 
   q += lo * d, acc += lo * d, s += lo * B, m += lo, l += lo, pos += lo;
   for (int64_t k0 = k_from; k0 < k_to; k0 += B) {
     const int64_t nk = k_to - k0 < B ? k_to - k0 : B;
+    // (a last block's columns past nk keep an earlier block's keys: their scores are masked)
     pack_transposed(keys, slots + k0, nk, d, B, kt);
     for (int64_t j = 0; j < nk; ++j) values[j] = vals + slots[k0 + j] * d;
-    for (int64_t j = nk; j < B; ++j)
-      for (int64_t c = 0; c < d; ++c) kt[c * B + j] = 0.0f;
     int64_t i = 0;
     for (; i + V::RQ <= rows; i += V::RQ) score_block<V, V::RQ>(q + i * d, d, kt, s + i * B);
     if (i < rows) score_rest<V, V::RQ - 1>(int(rows - i), q + i * d, d, kt, s + i * B);
