@@ -72,7 +72,7 @@ class ExpertCount:
 def matrix_bytes(module: torch.nn.Module) -> int:
     """The bytes a decode step reads of a layer's matrix: its codes where quantized."""
     w = module.weight
-    return int(getattr(w, "code_bytes", 0) or w.numel() * w.element_size())
+    return int(w.nbytes)
 
 
 def step_bytes(model: torch.nn.Module, experts_hit: float) -> float:

@@ -9,7 +9,7 @@ split is measured (the one call has no Python in it to time). The split times ev
 call (`layers.linear`: casts, the kernel, the LM head included) and every attention call
 (KV store included, and rotary where the backend fuses it) with wall clocks; "rest" is the step minus both (norms, rotary, residuals,
 embedding, sampling, the scheduler). The bytes a batch-1 token reads are the weights its
-kernels read (the codes, not the dense copies larger batches use) plus its KV.
+kernels read (the codes) plus its KV.
 
     python benchmarks/one_stream.py            # about a minute
     python benchmarks/one_stream.py --quick    # fewer steps, batch 8 for 32 (CI: the script works)
@@ -67,7 +67,7 @@ def batch1_bytes(engine: LocalEngine) -> int:
     table = model.lm_head.weight
     if not isinstance(table, quant.QuantizedMatrix):
         dense += table.numel() * table.element_size()  # the LM head reads all of it
-    codes = sum(q.code_bytes for q in quant.served_matrices(model))  # a tied table: its LM head reads it whole
+    codes = sum(q.nbytes for q in quant.served_matrices(model))  # a tied table: its LM head reads it whole
     kv = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, engine.worker.dtype) * (CONTEXT + 8)
     return dense + codes + kv
 

@@ -11,9 +11,7 @@ per precision:
 * mean |delta logprob| of the text's own next token, and its largest;
 * perplexity of the text.
 
-Each quantized precision is scored on the codes (runtime/worker/quant.py: what every batch
-reads on a CPU without native bf16), and where the CPU multiplies bf16 natively also on the
-"dense copy" that batches of more than quant.CODES_ROWS rows read there.
+Each quantized precision is scored on the codes (runtime/worker/quant.py: what every batch reads).
 
     python benchmarks/quality.py            # 2,048+ tokens, every precision (a few minutes)
     python benchmarks/quality.py --quick    # 384 tokens, fp32 and auto (CI)
@@ -38,7 +36,6 @@ from radixlm.runtime.hf_reference import load_hf_model  # noqa: E402
 from radixlm.runtime.local_engine import LocalEngine  # noqa: E402
 from radixlm.runtime.tokenizer.loader import load_tokenizer  # noqa: E402
 from radixlm.runtime.model_config import resolve_model  # noqa: E402
-from radixlm.runtime.worker.quant import Plan  # noqa: E402
 
 NEAR_TIE = 0.1  # nats between HF's top two: a flip there says nothing about the precision
 
@@ -149,14 +146,9 @@ def main() -> None:
         engine = LocalEngine(source.path, tokenizer=tokenizer, max_total_tokens=len(ids) + 64, **options)
         q = engine.worker.quantization
         served = "; ".join(f"{k}: {v}" for k, v in q.formats.items())
-        kernels = [("dense", None)] if q.method == "none" else [("codes", Plan())]
-        if q.plan.dense_above is not None:
-            kernels.append(("dense copy", q.plan))
-        for kernel, plan in kernels:
-            if plan is not None:
-                engine.worker.linear_mode = engine.worker.linear_mode._replace(plan=plan)
-            rows.append(Row(name, kernel, served, q.weight_bytes / 1e6, **score(engine, ids, ref)))
-            print(f"scored {name} [{kernel}]", flush=True)
+        kernel = "dense" if q.method == "none" else "codes"
+        rows.append(Row(name, kernel, served, q.weight_bytes / 1e6, **score(engine, ids, ref)))
+        print(f"scored {name} [{kernel}]", flush=True)
         del engine
     print("\n| precision | kernel | weights MB | top-1 agreement | flips (near-ties) | max flip margin | "
           "mean abs dlogprob | max abs dlogprob | perplexity |")

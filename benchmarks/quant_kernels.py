@@ -1,17 +1,17 @@
 """The native quantized matmuls (kernels/cpu) on this CPU, each ISA path it runs, against the fp32
-kernels: the measurement behind quant.py's choice of codes for decode-sized batches.
+kernels: the measurement behind serving every batch on the codes.
 
-One pass over SmolLM2-135M's 121 weight matrices (random values: int4 asymmetric in groups of
-32, as Q4_1 is; int8 symmetric in groups of 32, as Q8_0 is), best of 3, at a few batch sizes,
-for fp32 `F.linear`, oneDNN on weights laid out once (`runtime/worker/gemm.py`), and the codes on
-every ISA path of `radixlm.kernels.cpu.quant_matmul`.
+One pass over SmolLM2-135M's 121 weight matrices (random blocks of each GGUF format the kernels
+serve, `kernels/cpu/reference.random_blocks`), best of 3, at a few batch sizes, for fp32
+`F.linear`, oneDNN on weights laid out once (`runtime/worker/gemm.py`), and the codes on every ISA
+path of `radixlm.kernels.cpu.quant_matmul`.
 
 Printed: ms per pass, the bytes each kernel reads per pass and its GB/s, and each kernel's
-largest error on one layer against the same quantized weights in fp32 (the kernel's own
-arithmetic, not the quantization's).
+largest error on one layer against the same blocks' values in fp32, relative to the largest
+output (the kernel's own arithmetic, not the quantization's).
 
     python benchmarks/quant_kernels.py            # about a minute
-    python benchmarks/quant_kernels.py --quick    # two batch sizes, fewer layers (CI)
+    python benchmarks/quant_kernels.py --quick    # two batch sizes, fewer layers, two formats (CI)
 """
 
 from __future__ import annotations
@@ -20,30 +20,40 @@ import os
 import sys
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after site-packages: kernels/ must not shadow the installed `kernels`
 from benchmarks.machine import HIDDEN, INTER, best_of, kernel_bench_args, smollm2_shapes  # noqa: E402
 from radixlm.kernels import cpu  # noqa: E402
-from radixlm.runtime.worker import gemm, quant  # noqa: E402
+from radixlm.kernels.cpu import reference  # noqa: E402
+from radixlm.runtime.worker import gemm  # noqa: E402
 
-GROUP = 32
+FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0")
 
 
-def codes(w: torch.Tensor, bits: int) -> quant.QuantizedMatrix:
-    b = quant.Blocks.int4_from(w, GROUP) if bits == 4 else quant.Blocks.int8_from(w, GROUP)
-    return quant.QuantizedMatrix(b)
+def codes(shape: tuple[int, int], kind: str, rng: np.random.Generator) -> tuple[cpu.Tiled, torch.Tensor]:
+    """Random `kind` blocks of a matrix of `shape` as served, and their values."""
+    rows, cols = shape
+    cols_k = -(-cols // 256) * 256 if kind in reference.K_FORMATS else cols  # a K-quant block spans 256 columns
+    raw = reference.random_blocks(kind, rows, cols_k, rng)
+    tiled = cpu.pack([cpu.Part(kind, torch.from_numpy(raw), torch.arange(rows))], cols_k)
+    return tiled, torch.from_numpy(reference.dequantize_blocks(kind, raw, cols_k))
 
 
 def main() -> None:
     args = kernel_bench_args()
     layers = 2 if args.quick else 30
-    weights = [torch.randn(o, i) * 0.02 for o, i in smollm2_shapes(layers)]
-    served = {bits: [codes(w, bits) for w in weights] for bits in (4, 8)}
+    rng = np.random.default_rng(0)
+    shapes = smollm2_shapes(layers)
+    weights = [torch.randn(o, i) * 0.02 for o, i in shapes]
+    formats = ("Q4_1", "Q8_0") if args.quick else FORMATS
+    served = {kind: [codes(shape, kind, rng) for shape in shapes] for kind in formats}
     fp32_bytes = sum(w.numel() * 4 for w in weights)
     print(f"{len(weights)} matrices ({layers} layers + LM head): fp32 {fp32_bytes / 1e6:.0f} MB, "
-          + ", ".join(f"int{bits} {sum(q.code_bytes for q in qs) / 1e6:.0f} MB" for bits, qs in served.items()) + "\n")
+          + ", ".join(f"{kind} {sum(t.nbytes for t, _ in qs) / 1e6:.0f} MB" for kind, qs in served.items())
+          + " (K-quants: columns rounded up to 256)\n")
 
     def fp32(kernel: str) -> Callable[[torch.Tensor, int], torch.Tensor]:
         def run(x: torch.Tensor, i: int) -> torch.Tensor:
@@ -51,23 +61,24 @@ def main() -> None:
                 return gemm.linear(x, weights[i])
         return run
 
-    def on_codes(bits: int, isa: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    def on_codes(kind: str, isa: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
         def run(x: torch.Tensor, i: int) -> torch.Tensor:
-            return cpu.quant_matmul(x, served[bits][i].tiled, isa)
+            tiled = served[kind][i][0]
+            return cpu.quant_matmul(x if x.shape[1] == tiled.cols else F.pad(x, (0, tiled.cols - x.shape[1])), tiled, isa)
         return run
 
     paths: dict[str, tuple[Callable[[torch.Tensor, int], torch.Tensor], int, list[torch.Tensor]]] = {
         "fp32 F.linear": (lambda x, i: F.linear(x, weights[i]), fp32_bytes, weights)}
     if "onednn" in gemm.available(torch.device("cpu")):
         paths["fp32 oneDNN"] = (fp32("onednn"), fp32_bytes, weights)
-    for bits, qs in served.items():
+    for kind, qs in served.items():
         for isa in range(cpu.best_isa() + 1):
-            paths[f"int{bits} codes {cpu.ISA_NAMES[isa]}"] = (on_codes(bits, isa), sum(q.code_bytes for q in qs),
-                                                              [q.dequantize() for q in qs[:3]])
-    batches = [1, 8] if args.quick else [1, 8, 32]
-    print("| kernel | " + " | ".join(f"batch {b} ms | GB/s" for b in batches) + " | max error |")
+            paths[f"{kind} codes {cpu.ISA_NAMES[isa]}"] = (on_codes(kind, isa), sum(t.nbytes for t, _ in qs),
+                                                          [v for _, v in qs[:3]])
+    batches = [1, 8] if args.quick else [1, 8, 32, 256]
+    print("| kernel | " + " | ".join(f"batch {b} ms | GB/s" for b in batches) + " | max relative error |")
     print("|---|" + "---|---|" * len(batches) + "---|")
-    for name, (run, nbytes, reference) in paths.items():
+    for name, (run, nbytes, reference_values) in paths.items():
         cells = []
         for b in batches:
             xs = {k: torch.randn(b, k) for k in (HIDDEN, INTER)}
@@ -79,7 +90,10 @@ def main() -> None:
             t = best_of(3, one_pass)
             cells.append(f"{t * 1e3:.3g} | {nbytes / t / 1e9:.3g}")  # 3 figures: a slow kernel never shows 0.0
         x = torch.randn(4, HIDDEN)
-        error = (run(x, 2) - x @ reference[2].t()).abs().max().item()
+        values = reference_values[2]
+        y = run(x, 2)
+        want = F.pad(x, (0, values.shape[1] - x.shape[1])) @ values.t()
+        error = ((y - want).abs().max() / want.abs().max()).item()
         print(f"| {name} | " + " | ".join(cells) + f" | {error:.1e} |")
 
 

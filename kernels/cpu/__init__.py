@@ -7,7 +7,7 @@ portable path; 1: AVX2+FMA+F16C; 2: AVX-512 F/BW/VL/VNNI for the matmuls) so tes
 
     from radixlm.kernels import cpu
     cpu.load()                      # builds once per machine; raises cpu.NativeBuildError
-    w = cpu.tile(codes, scale, zero, bits=4)  # once, at load: the kernels' layout
+    w = cpu.pack([cpu.Part("Q4_0", blocks, rows)], cols)  # once, at load: the file's blocks as tiles
     y = cpu.quant_matmul(x, w)
 """
 
@@ -33,112 +33,71 @@ def isa_name(isa: int = -1) -> str:
     return ISA_NAMES[best_isa() if isa < 0 else isa]
 
 
-TILE_ROWS = 8  # weight rows per tile (csrc/common.h)
+TILE_ROWS = 8  # weight rows per tile (csrc/tiles.h)
+
+# The block formats a matrix is packed from (csrc/repack.h `Source`): GGUF's own, and two with
+# fp32 scales for codes made at load (int4 and int8 requantized from dense weights). Each: its
+# number, and (columns, bytes) per block.
+SOURCES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5, "MXFP4": 6, "Q4_1_WIDE": 7, "Q8_0_WIDE": 8}
+BLOCK_SHAPES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176),
+                "Q6_K": (256, 210), "MXFP4": (32, 17), "Q4_1_WIDE": (32, 24), "Q8_0_WIDE": (32, 36)}
+# the tile formats (csrc/tiles.h `Codes`), as a segment's kind
+CODES = ("u4", "s4", "s8", "k4", "k5", "k6", "f4")
+
+
+class Part(NamedTuple):
+    """Rows of a matrix in a file's block format: `data` uint8 [rows, bytes] (each row's blocks for
+    the matrix's columns; rows may be strided, e.g. a view of a mapped file), `rows` the row of
+    `data` each output row reads (int64; -1: a row of zeros)."""
+
+    source: str
+    data: torch.Tensor
+    rows: torch.Tensor
 
 
 class Tiled(NamedTuple):
-    """A matrix's codes, scales and zero points laid out for the kernels (`tile`): `tiles` is uint8
-    [ceil(rows / 8), cols / 32, tile bytes], the rest its format."""
+    """A matrix laid out for the kernels (`pack`): `tiles` uint8, `segments` int64 [n, 5] (first
+    row, rows, byte offset, kind, wide: a run of rows in one format each)."""
 
     tiles: torch.Tensor
+    segments: torch.Tensor
     rows: int
     cols: int
-    bits: int  # 4: codes 0..15; 8: int8
-    group: int  # columns per scale: 32, or 16 (8-bit codes without zero points)
-    half: bool  # scales and zero points in fp16 (else fp32)
-    zero: bool  # zero points present
-
-    @property
-    def format(self) -> list[int]:
-        """(rows, bits, group, half, zero): what the ops take beside the tiles."""
-        return [self.rows, self.bits, self.group, int(self.half), int(self.zero)]
 
     @property
     def nbytes(self) -> int:
         return self.tiles.numel()
 
-
-def tile(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int) -> Tiled:
-    """w = scale * code + zero, codes [n, k] integers in column order (0..15 for 4 bits, -128..127
-    for 8), scale and zero [n, k / group] fp16 or fp32 (zero may be None), laid out for the kernels
-    once: rows in groups of 8 (the last padded with zeros), each group's blocks of 32 columns in
-    order, one tile each holding the 8 rows' scales, zero points and codes (csrc/common.h)."""
-    n, k = codes.shape
-    group = k // scale.shape[1]
-    if bits not in (4, 8) or group not in (16, BLOCK) or (group == 16 and (bits != 8 or zero is not None)):
-        raise ValueError(f"the kernels take 4- or 8-bit codes in groups of {BLOCK} (16: 8-bit, no zero points), "
-                         f"not {bits}-bit in groups of {group}")
-    half = scale.dtype == torch.float16
-    groups, nb, pad = -(-n // TILE_ROWS), k // BLOCK, -n % TILE_ROWS
-
-    def rows_padded(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
-
-    if bits == 4:  # chunk j, word i (row i // 2, column 2 (4j + k) + i % 2 in bits 4k..4k+3): a word's
-        # low byte holds nibbles k = 0, 1 and its high byte k = 2, 3 (made in bytes: a quarter of the
-        # memory traffic of 32-bit words)
-        c = rows_padded(codes.to(torch.uint8))
-        c = c.view(groups, TILE_ROWS, nb, 4, 4, 2).permute(0, 2, 3, 1, 5, 4).reshape(groups, nb, 4, 16, 2, 2)
-        code_bytes = (c[..., 0] | (c[..., 1] << 4)).view(groups, nb, -1)
-    else:  # chunk j, word i: low byte column 4j + i % 2, high byte 4j + 2 + i % 2 of row i // 2
-        c = rows_padded(codes.to(torch.int8)).view(groups, TILE_ROWS, nb, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)
-        code_bytes = c.reshape(groups, nb, -1).view(torch.uint8)
-    dtype = torch.float16 if half else torch.float32
-
-    def per_tile(t: torch.Tensor) -> torch.Tensor:  # [n, blocks * parts] -> [groups, blocks, parts * 8] bytes
-        parts = t.shape[1] // nb
-        t = rows_padded(t.to(dtype)).view(groups, TILE_ROWS, nb, parts).permute(0, 2, 3, 1)
-        return t.contiguous().view(torch.uint8).view(groups, nb, -1)
-
-    pieces = [per_tile(scale)] + ([per_tile(zero)] if zero is not None else []) + [code_bytes]
-    return Tiled(torch.cat(pieces, -1).contiguous(), n, k, bits, group, half, zero is not None)
+    def kinds(self) -> list[str]:
+        return [CODES[k] for k in self.segments[:, 3].tolist()]
 
 
-def untile(t: Tiled, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The inverse of `tile` (for `rows` only, where given): codes [r, k] int32 in column order,
-    scale and zero [r, k / group] in the tiles' dtype (zero None where there are none)."""
-    ids = torch.arange(t.rows) if rows is None else rows.reshape(-1)
-    tiles = t.tiles[ids // TILE_ROWS]  # [r, blocks, tile bytes]: each row's group
-    r, nb = ids.shape[0], t.cols // BLOCK
-    dtype, size = (torch.float16, 2) if t.half else (torch.float32, 4)
-    parts = BLOCK // t.group
-    scale_bytes, zero_bytes = TILE_ROWS * parts * size, TILE_ROWS * size if t.zero else 0
-    within = (ids % TILE_ROWS)[:, None, None]
-
-    def values(first: int, count: int) -> torch.Tensor:
-        v = tiles[:, :, first : first + count * TILE_ROWS * size].contiguous().view(dtype).view(r, nb, count, TILE_ROWS)
-        return v.gather(3, within[..., None].expand(r, nb, count, 1)).view(r, nb * count)
-
-    scale = values(0, parts)
-    zero = values(scale_bytes, 1) if t.zero else None
-    chunks = tiles[:, :, scale_bytes + zero_bytes :].to(torch.int32)
-    if t.bits == 4:
-        words = (chunks[..., 0::2] | (chunks[..., 1::2] << 8)).view(r, nb, 4, TILE_ROWS, 2)  # [j, row, e]
-        words = words.gather(3, within[..., None, None].expand(r, nb, 4, 1, 2)).squeeze(3)  # [r, nb, j, e]
-        nibbles = (words[..., None] >> torch.tensor([0, 4, 8, 12])) & 15  # [r, nb, j, e, k]
-        codes = nibbles.permute(0, 1, 2, 4, 3).reshape(r, -1)  # column 8j + 2k + e
-    else:
-        b = chunks.to(torch.uint8).view(torch.int8).to(torch.int32).view(r, nb, 8, TILE_ROWS, 2, 2)  # [j, row, e, h]
-        b = b.gather(3, within[..., None, None, None].expand(r, nb, 8, 1, 2, 2)).squeeze(3)  # [r, nb, j, e, h]
-        codes = b.permute(0, 1, 2, 4, 3).reshape(r, -1)  # column 4j + 2h + e
-    return codes, scale, zero
+def pack(parts: list[Part], cols: int) -> Tiled:
+    """The parts' rows, in order, as one matrix of `cols` columns in the kernels' tiles (a segment
+    per run of parts in one format), laid out once from the file's own blocks: no value is
+    dequantized or rounded."""
+    load()
+    tiles, segments = torch.ops.radixlm.pack([p.data for p in parts], [p.rows for p in parts],
+                                             [SOURCES[p.source] for p in parts], cols)
+    return Tiled(tiles, segments, sum(p.rows.numel() for p in parts), cols)
 
 
 def dequantize_rows(w: Tiled, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` (int64, any shape) of the tiled matrix as float32 [*ids.shape, cols]: scale *
     code + zero (a multiply, then an add), read from those rows' tiles alone (embedding lookups)."""
-    return torch.ops.radixlm.dequantize_rows(w.tiles, ids, *w.format, w.cols)
+    return torch.ops.radixlm.dequantize_rows(w.tiles, w.segments, ids, w.rows, w.cols)
 
 
 def quant_matmul(x: torch.Tensor, w: Tiled, isa: int = -1) -> torch.Tensor:
-    """x W^T for x [m, k] float32 and W the tiled codes (`tile`). Returns float32 [m, n].
+    """x W^T for x [m, k] float32 and W the tiled codes (`pack`). Returns float32 [m, n].
 
     x is quantized per block of 32 columns to int16 (x ~= d q, d = max|x| / 32767, round half
     to even: finer than bf16, so the weights' codes are the only coarse factor); each output is
-    sum_b (scale_b d_b <codes_b, q_b>) + sum_b (zero_b d_b sum(q_b)), the integer dots exact,
-    each sum taken over the blocks in order in fp32: one order per output whatever m, so results
-    are batch invariant, and every ISA path is bitwise the portable one."""
-    return torch.ops.radixlm.quant_matmul(x, w.tiles, *w.format, isa)
+    summed over the blocks in order in one fp32 accumulator, each block's term its exact integer
+    dot <codes_b, q_b> times (scale_b d_b) (plus zero_b d_b sum(q_b) in one fused multiply-add,
+    where the format has zero points): one order per output whatever m, so results are batch
+    invariant, and every ISA path is bitwise the portable one."""
+    return torch.ops.radixlm.quant_matmul(x, w.tiles, w.segments, w.rows, isa)
 
 
 def quantize_activations(x: torch.Tensor, isa: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -207,6 +166,6 @@ def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     return out
 
 
-__all__ = ["BLOCK", "ISA_NAMES", "NativeBuildError", "TILE_ROWS", "Tiled", "best_isa", "cpu_flags", "decode_attention",
-           "dequantize_rows", "extend_attention", "isa_name", "load", "quant_matmul", "quantize_activations", "rms_norm",
-           "rope_store", "silu_mul", "tile", "untile"]
+__all__ = ["BLOCK", "BLOCK_SHAPES", "CODES", "ISA_NAMES", "NativeBuildError", "Part", "SOURCES", "TILE_ROWS", "Tiled",
+           "best_isa", "cpu_flags", "decode_attention", "dequantize_rows", "extend_attention", "isa_name", "load", "pack",
+           "quant_matmul", "quantize_activations", "rms_norm", "rope_store", "silu_mul"]

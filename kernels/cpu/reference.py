@@ -1,9 +1,15 @@
-"""Torch references of the native ops (what each computes, written plainly): the tests' oracle."""
+"""Torch references of the native ops (what each computes, written plainly): the tests' oracle.
+And weights for them: random blocks of every format the quantized matmul serves, with their
+values read independently (gguf's own dequantization; numpy for the two fp32-scaled formats of
+codes made at load)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+K_FORMATS = ("Q4_K", "Q5_K", "Q6_K")  # blocks of 256 columns
 
 BLOCK = 32
 
@@ -18,23 +24,13 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return q.to(torch.int16).view(m, k), d, d * q.sum(-1)
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
-    """codes [n, k] integers in column order."""
-    w = codes.double()
-    n, k = w.shape
-    group = k // scale.shape[1]  # 32, or 16 (8-bit codes without zero points)
-    g = w.view(n, k // group, group) * scale.double()[..., None]
-    if zero is not None:
-        g = g + zero.double()[..., None]
-    return g.view(n, k)
-
-
-def quant_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
-    """In float64: the dequantized weights times the quantized activations."""
+def quant_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """In float64: the weights' served values `w` [n, k] (a file's blocks dequantized by gguf's own
+    code, or codes times scales plus zero points) times the quantized activations."""
     q, d, _ = quantize_activations(x)
     m, k = x.shape
     xq = (q.double().view(m, k // BLOCK, BLOCK) * d.double()[..., None]).view(m, k)
-    return (xq @ dequantize(codes, scale, zero).T).float()
+    return (xq @ w.double().T).float()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -88,3 +84,52 @@ def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     within = torch.cat([torch.arange(int(n)) for n in extend_lens])
     lens = torch.repeat_interleave(prefix_lens, extend_lens) + within + 1
     return decode_attention(q, k_pool, v_pool, table, token_rows, lens, scale, window, softcap, sinks)
+
+
+def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [rows, bytes]: random codes (every bit pattern is a valid block) with scales and
+    zero points of a trained model's size, so products stay finite and comparable."""
+    from radixlm.kernels.cpu import BLOCK_SHAPES
+
+    block_cols, size = BLOCK_SHAPES[kind]
+    blocks = cols // block_cols
+    raw = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+
+    def put(at: int, low: float, high: float, dtype: type) -> None:
+        value = rng.uniform(low, high, (rows, blocks)).astype(dtype)
+        raw[:, :, at : at + value.itemsize] = value.view(np.uint8).reshape(rows, blocks, value.itemsize)
+
+    if kind in ("Q4_K", "Q5_K"):
+        put(0, 1e-4, 2e-3, np.float16)  # d
+        put(2, 1e-4, 2e-3, np.float16)  # dmin
+    elif kind == "Q6_K":
+        put(208, 1e-4, 2e-3, np.float16)
+    elif kind == "MXFP4":
+        raw[:, :, 0] = rng.integers(118, 126, (rows, blocks))  # 2^-10 .. 2^-3
+    elif kind.endswith("_WIDE"):
+        put(0, 1e-3, 1e-2, np.float32)
+        if kind == "Q4_1_WIDE":
+            put(4, -0.08, 0.0, np.float32)
+    else:
+        put(0, 1e-3, 1e-2, np.float16)
+        if kind == "Q4_1":
+            put(2, -0.08, 0.0, np.float16)
+    return raw.reshape(rows, -1)
+
+
+def dequantize_blocks(kind: str, raw: np.ndarray, cols: int) -> np.ndarray:
+    """The blocks' values, float32 [rows, cols]."""
+    rows = raw.shape[0]
+    if kind == "Q4_1_WIDE":
+        b = raw.reshape(rows, -1, 24)
+        d, m = (np.ascontiguousarray(b[:, :, at : at + 4]).view(np.float32) for at in (0, 4))
+        q = np.concatenate([b[:, :, 8:] & 15, b[:, :, 8:] >> 4], -1).astype(np.float32)
+        return (q * d + m).reshape(rows, cols)
+    if kind == "Q8_0_WIDE":
+        b = raw.reshape(rows, -1, 36)
+        d = np.ascontiguousarray(b[:, :, :4]).view(np.float32)
+        return (b[:, :, 4:].view(np.int8).astype(np.float32) * d).reshape(rows, cols)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    return gguf_dequantize(raw, GGMLQuantizationType[kind]).reshape(rows, cols)

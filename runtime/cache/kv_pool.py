@@ -73,8 +73,9 @@ class ReqToTokenTable:
     """
 
     def __init__(self, num_rows: int, max_context: int, device: torch.device | str, windowed: bool = False) -> None:
-        self.table = torch.zeros((num_rows, max_context), dtype=torch.int64, device=device)
-        self.window_table = torch.zeros_like(self.table) if windowed else None
+        # lazily zeroed on a CPU: resident only as far as requests have written it
+        self.table = zeroed((num_rows, max_context), torch.int64, device)
+        self.window_table = zeroed((num_rows, max_context), torch.int64, device) if windowed else None
         self._free_rows = list(range(num_rows - 1, -1, -1))
 
     @property

@@ -24,7 +24,7 @@ from typing import Iterator, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from radixlm.runtime.worker.quant import Plan, QuantizedMatrix
+from radixlm.runtime.worker.quant import QuantizedMatrix
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,6 @@ INVARIANT_ROWS = 16
 class LinearMode(NamedTuple):
     kernel: str = "torch"  # dense weights' kernel
     invariant: bool = False
-    plan: Plan = Plan()  # quantized weights': codes or their dense copy, by batch size
 
 
 _mode: ContextVar[LinearMode] = ContextVar("linear_mode", default=LinearMode())
@@ -82,8 +81,8 @@ _RUN = {"torch": F.linear, "onednn": _onednn}
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b for x [rows, in], with the current mode's kernel."""
     mode = _mode.get()
-    if isinstance(weight, QuantizedMatrix):  # batch invariant on its codes (the invariant plan reads only them)
-        return weight.matmul(x, bias, mode.plan)
+    if isinstance(weight, QuantizedMatrix):  # batch invariant on its codes
+        return weight.matmul(x, bias)
     run = _RUN[mode.kernel]
     if not mode.invariant:
         return run(x, weight, bias)

@@ -1,14 +1,16 @@
 """Building blocks of the decoder, written tensor-parallel: at tp size 1 they are plain layers.
 
-Every parameter carries a `weight_loader(param, loaded, shard)` that reads this
-rank's slice of a checkpoint tensor (a loader.Weight: only those rows or
-columns are read) into it, so the model's loader needs no knowledge of the
-parallel layout.
+Every parameter is made empty, on the meta device (no memory), and carries a
+`weight_loader(param, loaded, shard)` that reads this rank's slice of a checkpoint tensor (a
+loader.Weight: only those rows or columns are read) into it, so the model's loader needs no
+knowledge of the parallel layout; the model's `load_weights` gives a parameter its storage
+(`materialize`) just before its first read.
 
 The matrices (`quant_role` "linear" or "table") may be served quantized
-(runtime/worker/quant.py): their loaders then also keep the file's own codes for the
-same slice (`param.file_blocks`), and after loading `quant.quantize_model` replaces
-`weight` with a QuantizedMatrix, which `linear` and the embedding dispatch on.
+(runtime/worker/quant.py): marked with a `serving` before loading, they gather their parts as
+loader.Pieces (nothing read yet) and, once they have them all, become a QuantizedMatrix laid out
+straight from the file's blocks, or a dense parameter read part by part where they stay dense;
+`linear` and the embedding dispatch on the weight's kind.
 """
 
 from __future__ import annotations
@@ -20,51 +22,76 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.runtime.worker import lora
+from radixlm.runtime.worker import lora, quant
 from radixlm.runtime.worker.gemm import linear
-from radixlm.runtime.worker.loader import Weight
+from radixlm.runtime.worker.loader import Piece, Weight
 from radixlm.runtime.worker.parallel import TPContext
-from radixlm.runtime.worker.quant import Blocks, QuantizedMatrix
+from radixlm.runtime.worker.quant import QuantizedMatrix
 
 
 def _param(shape: Sequence[int], loader: Callable[..., None]) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    p = nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
     p.weight_loader = loader  # type: ignore[attr-defined]
     return p
 
 
-def _keep_blocks(param: nn.Parameter, loaded: Weight, part: Callable[[], Blocks | None], rows: slice,
-                 cols: slice = slice(None)) -> None:
-    """Note the file's format for `param` and, when quantized serving asked for them
-    (`param.keep_blocks`), record its codes for `param[rows, cols]` (`part` reads them); one part
-    without codes, or of another kind, leaves none for the whole."""
-    if not hasattr(param, "keep_blocks"):
-        return
-    param.file_formats = getattr(param, "file_formats", set()) | {loaded.format}  # type: ignore[attr-defined]
-    have = getattr(param, "file_blocks", None)
-    if not param.keep_blocks or have is False:
-        return
-    part = part()
-    if part is None or (have is not None and (have.bits, have.group) != (part.bits, part.group)):
-        param.file_blocks = False  # type: ignore[attr-defined]
-        return
-    n, k = param.shape
-    if have is None and rows in (slice(None), slice(0, n)) and cols == slice(None):  # the whole matrix at once
-        param.file_blocks = Blocks(part.codes, *(t.to(torch.float32, copy=True) for t in (part.scale, part.zero)),
-                                   part.bits, part.group)
-        return
-    if have is None:  # (empty: the parts cover every row and column, as they do the weight itself)
-        have = Blocks(torch.empty(n, k, dtype=part.codes.dtype), torch.empty(n, k // part.group),
-                      torch.empty(n, k // part.group), part.bits, part.group)
-        param.file_blocks = have  # type: ignore[attr-defined]
-    g = part.group
-    block_cols = slice(None) if cols == slice(None) else slice(cols.start // g, cols.stop // g)
-    have.codes[rows, cols] = part.codes
-    have.scale[rows, block_cols] = part.scale
-    have.zero[rows, block_cols] = part.zero
+def materialize(module: nn.Module, name: str, device: torch.device | str = "cpu") -> nn.Parameter:
+    """`module`'s parameter `name` with storage (float32, uninitialized) in place of its empty
+    meta one, its loader kept; a parameter that has storage is returned as it is."""
+    param = getattr(module, name)
+    if not param.is_meta:
+        return param
+    real = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=False)
+    real.weight_loader = param.weight_loader  # type: ignore[attr-defined]
+    setattr(module, name, real)
+    return real
 
 
-class MergedColumnLinear(nn.Module):
+def materialize_all(model: nn.Module, device: torch.device | str) -> None:
+    """Storage for every parameter still empty (weights made in place rather than loaded)."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_meta:
+                materialize(module, name, device)
+
+
+class _Gathered:
+    """A matrix module's weight as its checkpoint parts arrive (quantized serving: `serving` set):
+    the parts are kept unread until the last one comes, then the matrix is served from them at
+    once (`_settle`), so the file's blocks are laid out with no dense copy in between."""
+
+    serving: quant.Serving | None = None
+
+    def _gather(self, index: int, piece: Piece, expected: int) -> None:
+        pieces = self.__dict__.setdefault("_pieces", {})
+        pieces[index] = piece
+        if len(pieces) == expected:
+            del self._pieces
+            self._settle([pieces[i] for i in sorted(pieces)])
+
+    def _settle(self, pieces: list[Piece]) -> None:
+        """Serve the matrix the pieces make (rows in order): on the codes, or dense."""
+        self.file_formats = {p.format for p in pieces}
+        served = quant.serve(pieces, self.serving, tuple(self.weight.shape)) if self.serving else None
+        if served is not None:
+            quant.replace_weight(self, served)
+        else:
+            param = materialize(self, "weight")
+            at = 0
+            for p in pieces:
+                block = p.dense()
+                param.data[at : at + block.shape[0]].copy_(block)
+                at += block.shape[0]
+        for p in pieces:
+            p.weight.release()
+
+
+def gathers(module: nn.Module, name: str) -> bool:
+    """Whether `module.name` is a matrix that gathers its parts (and so needs no storage first)."""
+    return isinstance(module, _Gathered) and name == "weight"
+
+
+class MergedColumnLinear(_Gathered, nn.Module):
     """y = x W^T for several column blocks fused into one matmul (q/k/v, gate/up).
 
     Each block is (rows this rank holds, the first of them in the checkpoint's block): an even
@@ -91,16 +118,17 @@ class MergedColumnLinear(nn.Module):
 
     def _load(self, param: nn.Parameter, loaded: Weight, shard: int = 0) -> None:
         size, first = self.blocks[shard]
-        at = sum(s for s, _ in self.blocks[:shard])
-        param.data[at : at + size].copy_(loaded.rows(first, size))
-        if param is self.weight:
-            _keep_blocks(param, loaded, lambda: loaded.row_blocks(first, size), slice(at, at + size))
+        if param is self.bias:
+            at = sum(s for s, _ in self.blocks[:shard])
+            param.data[at : at + size].copy_(loaded.rows(first, size))
+        else:
+            self._gather(shard, Piece(loaded, slice(first, first + size)), len(self.blocks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return lora.apply(self, x, linear(x, self.weight, self.bias))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Gathered, nn.Module):
     """y = x W^T with W's input dimension split across ranks; partial sums are all-reduced."""
 
     quant_role = "linear"
@@ -113,16 +141,15 @@ class RowParallelLinear(nn.Module):
         self.bias = _param((out_features,), _copy_loader) if bias else None
 
     def _load(self, param: nn.Parameter, loaded: Weight, shard: int = 0) -> None:
-        cols = self.tp.shard(loaded.shape[1])
-        param.data.copy_(loaded.cols(*cols))
-        _keep_blocks(param, loaded, lambda: loaded.col_blocks(*cols), slice(None))
+        start, end = self.tp.shard(loaded.shape[1])
+        self._gather(0, Piece(loaded, slice(None), slice(start, end)), 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.tp.all_reduce(linear(x, self.weight))
         return lora.apply(self, x, out if self.bias is None else out.add_(self.bias))
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(_Gathered, nn.Module):
     """Embedding table split by vocabulary rows; also serves as the (tied) LM head."""
 
     quant_role = "table"
@@ -136,10 +163,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _param((self.per_rank, dim), self._load)
 
     def _load(self, param: nn.Parameter, loaded: Weight, shard: int = 0) -> None:
-        rows = loaded.rows(self.start, self.per_rank)  # the last rank's share may run past the vocabulary
-        param.data.zero_()
-        param.data[: rows.shape[0]].copy_(rows)
-        _keep_blocks(param, loaded, lambda: loaded.row_blocks(self.start, rows.shape[0]), slice(0, rows.shape[0]))
+        rows = max(0, min(self.per_rank, loaded.shape[0] - self.start))  # the last rank's share may run past the vocabulary
+        self._gather(0, Piece(loaded, slice(self.start, self.start + rows), slice(None), self.per_rank - rows), 1)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, QuantizedMatrix):
@@ -242,6 +267,14 @@ def activation(cfg: Any) -> nn.Module:
     return SiluMul()
 
 
+def fit_positions(model: nn.Module, positions: int, exactly: bool) -> None:
+    """`model`'s rotary tables sized for `positions`: exactly (the worker that loaded it), or grown
+    where they hold fewer (a model shared by workers: each keeps the rows it reads)."""
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding) and (exactly or m.cos2.shape[0] < positions):
+            m.resize(positions)
+
+
 def _copy_loader(param: nn.Parameter, loaded: Weight, shard: int = 0) -> None:
     param.data.copy_(loaded.full())
 
@@ -270,14 +303,21 @@ class RotaryEmbedding(nn.Module):
             magnitude = scaling["attention_factor"]
         elif scaling:
             inv_freq = _scale_inv_freq(inv_freq, scaling)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
+        self.inv_freq, self.magnitude = inv_freq, magnitude
+        self.register_buffer("cos2", torch.empty(0), persistent=False)
+        self.register_buffer("sin2", torch.empty(0), persistent=False)
+        self.resize(max_positions)
+
+    def resize(self, positions: int) -> None:
+        """Tables for positions 0 .. positions - 1 (each row the same whatever the size): a
+        Llama 3's 131,072 positions are 64-128 MB that a pool of a few thousand tokens never reads."""
+        t = torch.arange(positions, dtype=torch.float32, device=self.cos2.device)
+        freqs = torch.outer(t, self.inv_freq.to(t.device))
         # full-width tables (each frequency twice, as "rotate half" pairs dimension i with i + d/2)
         cos, sin = freqs.cos(), freqs.sin()
-        if magnitude != 1:
-            cos, sin = cos * magnitude, sin * magnitude
-        self.register_buffer("cos2", torch.cat((cos, cos), dim=-1), persistent=False)
-        self.register_buffer("sin2", torch.cat((sin, sin), dim=-1), persistent=False)
+        if self.magnitude != 1:
+            cos, sin = cos * self.magnitude, sin * self.magnitude
+        self.cos2, self.sin2 = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at each position, [tokens, 1, head_dim]: looked up once per forward pass,

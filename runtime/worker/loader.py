@@ -1,31 +1,38 @@
 """Stream a model's weights under Hugging Face tensor names (`model_config` finds the model and
 reads its config).
 
-Two sources: a HF checkpoint directory (safetensors shards) and a GGUF file (dequantized to
-float32 with the `gguf` package, or kept as the file's own codes for quantized serving).
+Two sources: a HF checkpoint directory (safetensors shards) and a GGUF file (mapped once). A
+tensor is read only when and as far as its matrix asks: as the file's own blocks for the native
+kernels (`Weight.file_part`, no value touched: radixlm.kernels.cpu.pack lays them out), or
+dequantized to float32 with the `gguf` package (`Weight.rows` / `cols` / `full`); once a matrix
+holds what it read, `Weight.release` hands the tensor's pages of the mapping back, so the
+process holds at most the served weights and one tensor's working set.
 """
 
 from __future__ import annotations
 
 import glob
+import mmap
 import os
 import re
-from typing import Any, Iterator, NamedTuple, Sequence
+import warnings
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 from radixlm.runtime.model_config import ModelConfig, ModelSource, gguf_reader
-from radixlm.runtime.worker.quant import Blocks
+
+if TYPE_CHECKING:
+    from radixlm.kernels.cpu import Part
+
 
 class Weight:
     """A checkpoint tensor that is read only as far as asked: a tensor-parallel rank takes its rows
     or columns (from safetensors only those bytes leave the file, from GGUF only those quant blocks
-    are dequantized), everyone else the whole.
+    are dequantized, or laid out as they are), everyone else the whole.
 
-    `format` names how the file stores it (a GGUF type such as "Q4_1", or "dense"); for the GGUF
-    block formats with a scale and zero point per group, `row_blocks` / `col_blocks` read the same
-    parts as the file's own codes (quant.Blocks), for serving them without requantizing."""
+    `format` names how the file stores it (a GGUF type such as "Q4_1", or "dense")."""
 
     def __init__(self, source: Any, shape: Sequence[int], dtype: torch.dtype | None = None) -> None:
         self._source, self.shape, self.dtype = source, tuple(shape), dtype  # source: a tensor or a safetensors slice
@@ -43,17 +50,23 @@ class Weight:
     def cols(self, start: int, end: int) -> torch.Tensor:
         return self._read(self._source[:, start:end])
 
-    def row_blocks(self, start: int, count: int) -> Blocks | None:
-        return self._blocks(slice(start, start + count), slice(None))
-
-    def col_blocks(self, start: int, end: int) -> Blocks | None:
-        return self._blocks(slice(None), slice(start, end))
-
-    def _blocks(self, rows: slice, cols: slice) -> Blocks | None:
-        return self._source.blocks(rows, cols) if getattr(self._source, "has_blocks", False) else None
-
     def full(self) -> torch.Tensor:
         return self._read(self._source[:])
+
+    def read(self, rows: slice, cols: slice) -> torch.Tensor:
+        return self._read(self._source[rows] if cols == slice(None) else self._source[rows, cols])
+
+    def file_part(self, rows: slice, cols: slice) -> Part | None:
+        """These rows and columns as the file's own blocks, for the native kernels (None where the
+        file holds them dense, in a format the kernels do not read, or the columns cut blocks)."""
+        part = getattr(self._source, "file_part", None)
+        return part(rows, cols) if part is not None else None
+
+    def release(self) -> None:
+        """The tensor is read for good: its pages of a mapped file go back to the page cache."""
+        release = getattr(self._source, "release", None)
+        if release is not None:
+            release()
 
     def rows_from(self, start: int) -> Weight:
         """The rows from `start` on, as a Weight of their own (one block of a checkpoint tensor
@@ -64,13 +77,36 @@ class Weight:
         return t if self.dtype is None else t.to(self.dtype)
 
 
+class Piece(NamedTuple):
+    """The rows and columns of a checkpoint tensor that a matrix holds (a fused projection's part,
+    a rank's shard), then `pad` rows of zeros; read only when the matrix asks."""
+
+    weight: Weight
+    rows: slice
+    cols: slice = slice(None)
+    pad: int = 0
+
+    @property
+    def format(self) -> str:
+        return self.weight.format
+
+    def dense(self) -> torch.Tensor:
+        w = self.weight.read(self.rows, self.cols)
+        return torch.cat([w, w.new_zeros(self.pad, w.shape[1])]) if self.pad else w
+
+    def file_part(self) -> Part | None:
+        part = self.weight.file_part(self.rows, self.cols)
+        if part is None or not self.pad:
+            return part
+        return part._replace(rows=torch.cat([part.rows, torch.full((self.pad,), -1, dtype=torch.int64)]))
+
+
 class _RowsFrom:
     """A checkpoint tensor's rows from `start` on, indexed and read as the tensor itself is."""
 
     def __init__(self, source: Any, start: int) -> None:
         self._source, self._start = source, start
         self.format = getattr(source, "format", "dense")
-        self.has_blocks = getattr(source, "has_blocks", False)
 
     def _rows(self, rows: slice) -> slice:
         return slice(self._start + (rows.start or 0), None if rows.stop is None else self._start + rows.stop)
@@ -80,8 +116,21 @@ class _RowsFrom:
             return self._source[(self._rows(key[0]), *key[1:])]
         return self._source[self._rows(key)]
 
-    def blocks(self, rows: slice, cols: slice) -> Blocks | None:
-        return self._source.blocks(self._rows(rows), cols)
+    def file_part(self, rows: slice, cols: slice) -> Part | None:
+        part = getattr(self._source, "file_part", None)
+        return part(self._rows(rows), cols) if part is not None else None
+
+    def release(self) -> None:
+        pass  # the tensor's other blocks are still to be read
+
+
+def _part(fmt: str, data: np.ndarray, rows: np.ndarray) -> Part:
+    """A kernels' Part over `data` (a view of the mapped file: never written)."""
+    from radixlm.kernels import cpu
+
+    with warnings.catch_warnings():  # torch warns that the mapped file's arrays are read-only
+        warnings.simplefilter("ignore", UserWarning)
+        return cpu.Part(fmt, torch.from_numpy(data), torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)))
 
 
 def iter_weights(src: ModelSource, config: ModelConfig) -> Iterator[tuple[str, Weight]]:
@@ -149,35 +198,35 @@ def _split_experts(stacked: dict[str, str]) -> Iterator[tuple[str, Weight]]:
 
 
 class MXFP4Matrix:
-    """One expert's matrix in OpenAI's MXFP4 (blocks [out, in / 32, 16] bytes, exponents
-    [out, in / 32]), read as a GGUF tensor is: dequantized as far as indexed, or as the 8-bit
-    codes MXFP4_TWICE[q] with scale 2^(e - 128) (exact). `interleaved`: its rows alternate gate
-    and up (gpt-oss's gate_up_proj), reordered gate rows first."""
+    """One expert's matrix in OpenAI's MXFP4 (blocks [out, in / 32, 16] bytes, two E2M1 values a
+    byte, low nibble first; exponents [out, in / 32]), held as GGUF's MXFP4 blocks (an exponent
+    byte, then byte j holding column j and, above it, j + 16) and read as a GGUF tensor is.
+    `interleaved`: its rows alternate gate and up (gpt-oss's gate_up_proj), read gate rows first."""
 
     format = "MXFP4"
-    has_blocks = True
 
     def __init__(self, blocks: np.ndarray, exponents: np.ndarray, interleaved: bool = False) -> None:
-        rows = blocks.shape[0]
-        pairs = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(rows, -1)  # low nibble first
-        self._codes, self._exps = MXFP4_TWICE[pairs], exponents
-        if interleaved:
-            order = np.concatenate([np.arange(0, rows, 2), np.arange(1, rows, 2)])
-            self._codes, self._exps = self._codes[order], self._exps[order]
-        self.shape = self._codes.shape
+        rows, groups = blocks.shape[:2]
+        codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(rows, groups, 32)  # column order
+        packed = codes[..., :16] | (codes[..., 16:] << 4)
+        self._raw = np.concatenate([exponents.astype(np.uint8)[..., None], packed], -1).reshape(rows, groups * 17)
+        self._order = (np.concatenate([np.arange(0, rows, 2), np.arange(1, rows, 2)]) if interleaved
+                       else np.arange(rows))
+        self.shape = (rows, groups * 32)
 
-    def blocks(self, rows: slice, cols: slice) -> Blocks | None:
+    def file_part(self, rows: slice, cols: slice) -> Part | None:
         c0, c1, _ = cols.indices(self.shape[1])
         if c0 % 32 or c1 % 32:
             return None
-        scale = mxfp4_scale(self._exps[rows, c0 // 32 : c1 // 32])
-        return Blocks(torch.from_numpy(np.ascontiguousarray(self._codes[rows, c0:c1])), torch.from_numpy(scale),
-                      torch.zeros(scale.shape), 8, 32)
+        return _part("MXFP4", self._raw[:, c0 // 32 * 17 : c1 // 32 * 17], self._order[rows])
 
     def __getitem__(self, key: slice | tuple[slice, slice]) -> torch.Tensor:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
         rows, cols = key if isinstance(key, tuple) else (key, slice(None))
-        b = self.blocks(rows, slice(None))
-        return b.dequantize()[:, cols].contiguous()
+        w = dequantize(self._raw[self._order[rows]], GGMLQuantizationType.MXFP4).reshape(-1, self.shape[1])
+        return torch.from_numpy(np.ascontiguousarray(w[:, cols], dtype=np.float32))
 
 
 # ---- GGUF -------------------------------------------------------------------------------
@@ -260,7 +309,8 @@ def _iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, GGUFTensor
         if m and m.group(2) in _GGUF_EXPERT_NAMES:  # each expert's slice, under HF's per-expert names
             for e in range(int(t.shape[-1])):
                 part = _ExpertPart(t.data[e], t.tensor_type, t.shape[:-1])
-                yield f"model.layers.{m.group(1)}.mlp.experts.{e}.{_GGUF_EXPERT_NAMES[m.group(2)]}", GGUFTensor(part)
+                yield (f"model.layers.{m.group(1)}.mlp.experts.{e}.{_GGUF_EXPERT_NAMES[m.group(2)]}",
+                       GGUFTensor(part, reader=reader))
             continue
         name = gguf_to_hf_name(t.name, config.architecture)
         if name is None:
@@ -270,7 +320,7 @@ def _iter_gguf(path: str, config: ModelConfig) -> Iterator[tuple[str, GGUFTensor
             heads = config.num_heads
         elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
             heads = config.num_kv_heads
-        yield name, GGUFTensor(t, heads)
+        yield name, GGUFTensor(t, heads, reader)
 
 
 class _ExpertPart(NamedTuple):
@@ -288,15 +338,14 @@ class GGUFTensor:
     dequantizes its own slice alone. `heads`: undo llama.cpp's q/k row permutation, which
     stays within each head (whole heads are read, then trimmed to the rows asked for)."""
 
-    def __init__(self, tensor: Any, heads: int | None = None) -> None:
+    def __init__(self, tensor: Any, heads: int | None = None, reader: Any = None) -> None:
         from gguf.constants import GGML_QUANT_SIZES
 
-        self._t = tensor
+        self._t, self._reader = tensor, reader  # reader: the mapping `release` gives pages back to
         self.format = tensor.tensor_type.name
         self.shape = tuple(int(d) for d in reversed(tensor.shape))
         self._head_rows = self.shape[0] // heads if heads else 1
         self._block = GGML_QUANT_SIZES[tensor.tensor_type][0]  # columns per quant block (1: unquantized)
-        self.has_blocks = self.format in _BLOCK_LAYOUTS and len(self.shape) == 2  # codes servable as they are
 
     def __getitem__(self, key: slice | tuple[slice, slice]) -> torch.Tensor:
         from gguf.quants import dequantize
@@ -310,19 +359,26 @@ class GGUFTensor:
         # a copy: unquantized data are read-only views of the memory-mapped file
         return torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
 
-    def blocks(self, rows: slice, cols: slice) -> Blocks | None:
-        """The file's own codes, scales and zero points for this part (None if its columns do not
-        start and end on block edges)."""
-        c0, c1, _ = cols.indices(self.shape[1])
-        if c0 % self._block or (c1 % self._block and c1 != self.shape[1]):
+    def file_part(self, rows: slice, cols: slice) -> Part | None:
+        """The file's own blocks for this part (a view of the mapped file), rows in the served
+        order (un-permuted): None for a format the kernels do not read, or columns off block edges."""
+        from radixlm.kernels import cpu
+
+        if self.format not in cpu.SOURCES or len(self.shape) != 2:
             return None
-        layout = _BLOCK_LAYOUTS[self.format]
-        codes = self._read(rows, cols, layout.codes)
-        a, b = self._whole_heads(rows)
-        groups = slice(c0 // layout.group, -(-c1 // layout.group))
-        scale, zero = (self._trim(part[:, groups], rows) for part in layout.scale_zero(self._t.data[a:b]))
-        return Blocks(*(torch.from_numpy(np.ascontiguousarray(t)) for t in (codes, scale, zero)), layout.bits,
-                      layout.group)
+        block_cols, block_bytes = cpu.BLOCK_SHAPES[self.format]
+        c0, c1, _ = cols.indices(self.shape[1])
+        if c0 % block_cols or c1 % block_cols:
+            return None
+        data = np.asarray(self._t.data)[:, c0 // block_cols * block_bytes : c1 // block_cols * block_bytes]
+        order = np.arange(self.shape[0])
+        if self._head_rows > 1:
+            order = _unpermute_rows(order, self.shape[0] // self._head_rows)
+        return _part(self.format, data, order[rows])
+
+    def release(self) -> None:
+        if self._reader is not None:
+            release_pages(self._reader, np.asarray(self._t.data))
 
     def _read(self, rows: slice, cols: slice, decode: Any) -> np.ndarray:
         """Rows `rows`, columns `cols` of what `decode` makes of the quant blocks that cover them."""
@@ -350,116 +406,16 @@ class GGUFTensor:
         return w[r0 - a : r1 - a]
 
 
-class _BlockLayout(NamedTuple):
-    """Where a GGUF block format keeps its codes, scale and zero point (w = scale * code + zero)."""
-
-    bits: int  # as served: 4, or 8 for wider codes (5 and 6 bits fit int8)
-    codes: Any  # [rows, blocks * bytes per block] -> [rows, columns] codes
-    scale_zero: Any  # [rows, blocks * bytes per block] -> ([rows, columns / group] scale, same zero), fp32
-    group: int = 32  # columns per scale and zero point (a K-quant's sub-block)
-
-
-def _fp16_at(data: np.ndarray, size: int, at: int) -> np.ndarray:
-    rows = data.shape[0]
-    blocks = data.reshape(rows, -1, size)[:, :, at : at + 2]
-    return np.ascontiguousarray(blocks).view(np.float16).reshape(rows, -1).astype(np.float32)
-
-
-def _nibbles(data: np.ndarray, size: int, at: int) -> np.ndarray:
-    """4-bit codes: in each block, byte j holds element j (low nibble) and element j + 16 (high)."""
-    rows = data.shape[0]
-    qs = data.reshape(rows, -1, size)[:, :, at:]
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, -1)
-
-
-def _q4_k_codes(data: np.ndarray) -> np.ndarray:
-    """Q4_K's 4-bit codes: each 256-column block keeps 128 bytes of them after its 16 bytes of
-    scales; byte i of its 32-byte chunk c holds column 64c + i (low nibble) and 64c + 32 + i (high)."""
-    rows = data.shape[0]
-    qs = data.reshape(rows, -1, 144)[:, :, 16:].reshape(rows, -1, 4, 1, 32)
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(rows, -1)
-
-
-def _k_scale_zero(data: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K's and Q5_K's eight sub-blocks of 32 per block (`size` bytes): scale d * sc, zero
-    -dmin * m, with sc and m the 6-bit values gguf's own Q4_K.get_scale_min unpacks."""
-    from gguf.quants import Q4_K
-
-    rows = data.shape[0]
-    blocks = data.reshape(-1, size)
-    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
-    d = np.ascontiguousarray(blocks[:, 0:2]).view(np.float16).astype(np.float32)
-    dmin = np.ascontiguousarray(blocks[:, 2:4]).view(np.float16).astype(np.float32)
-    return (d * sc).reshape(rows, -1), (-dmin * m).reshape(rows, -1)
-
-
-def _q5_k_codes(data: np.ndarray) -> np.ndarray:
-    """Q5_K's 5-bit codes: per 256-column block, after d, dmin and 12 bytes of scales, 32 bytes of
-    high bits (bit j of byte i: column 32j + i) and 128 of low nibbles laid out as Q4_K's."""
-    rows = data.shape[0]
-    blocks = data.reshape(rows, -1, 176)
-    qh = blocks[:, :, 16:48].reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
-    ql = blocks[:, :, 48:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
-    q = (ql & 0x0F).reshape(rows, -1, 8, 32) | ((qh & 1).reshape(rows, -1, 8, 32) << 4)
-    return q.reshape(rows, -1).astype(np.int8)
-
-
-def _q6_k_codes(data: np.ndarray) -> np.ndarray:
-    """Q6_K's 6-bit codes less 32: per 256-column block, 128 bytes of low nibbles, 64 of high bit
-    pairs, then 16 int8 scales and d (gguf's own Q6_K.dequantize_blocks reads them so)."""
-    rows = data.shape[0]
-    blocks = data.reshape(-1, 210)
-    ql = blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    ql = (ql & 0x0F).reshape(-1, 8, 32)
-    qh = blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
-    qh = (qh & 0x03).reshape(-1, 8, 32)
-    return ((ql | (qh << 4)).astype(np.int16) - 32).astype(np.int8).reshape(rows, -1)
-
-
-def _q6_k_scale_zero(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q6_K's sixteen sub-blocks of 16 per block: scale d * sc (int8 sc), no zero point."""
-    rows = data.shape[0]
-    blocks = data.reshape(-1, 210)
-    sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
-    d = np.ascontiguousarray(blocks[:, 208:210]).view(np.float16).astype(np.float32)
-    scale = (d * sc).reshape(rows, -1)
-    return scale, np.zeros_like(scale)
-
-
-# MXFP4's 4-bit values (E2M1) times 2, as int8: every one an integer, so the format is served
-# exactly as 8-bit codes with a power-of-two scale per 32 columns (half its E8M0 exponent's value)
-MXFP4_TWICE = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
-
-
-def mxfp4_scale(exponents: np.ndarray) -> np.ndarray:
-    """2^(e - 128) of each E8M0 exponent byte: the scale of MXFP4_TWICE's codes."""
-    return np.ldexp(np.float32(1), exponents.astype(np.int32) - 128).astype(np.float32)
-
-
-def _mxfp4_scale_zero(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    rows = data.shape[0]
-    scale = mxfp4_scale(data.reshape(rows, -1, 17)[:, :, 0])
-    return scale, np.zeros_like(scale)
-
-
-_BLOCK_LAYOUTS = {
-    # Q4_0: d (fp16), 16 bytes of nibbles; w = d * (q - 8)
-    "Q4_0": _BlockLayout(4, lambda data: _nibbles(data, 18, 2),
-                         lambda data: (_fp16_at(data, 18, 0), -8 * _fp16_at(data, 18, 0))),
-    # Q4_1: d, m (fp16), 16 bytes of nibbles; w = d * q + m
-    "Q4_1": _BlockLayout(4, lambda data: _nibbles(data, 20, 4),
-                         lambda data: (_fp16_at(data, 20, 0), _fp16_at(data, 20, 2))),
-    # Q4_K: 256 columns a block, d and dmin (fp16), 12 bytes of 6-bit scales and mins, 128 of nibbles
-    "Q4_K": _BlockLayout(4, _q4_k_codes, lambda data: _k_scale_zero(data, 144)),
-    # Q5_K: as Q4_K with a fifth bit per code (32 bytes of them before the nibbles): 8-bit codes 0..31
-    "Q5_K": _BlockLayout(8, _q5_k_codes, lambda data: _k_scale_zero(data, 176)),
-    # Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d; w = d * sc * (q - 32)
-    "Q6_K": _BlockLayout(8, _q6_k_codes, _q6_k_scale_zero, group=16),
-    # Q8_0: d (fp16), 32 int8 codes; w = d * q
-    "Q8_0": _BlockLayout(8, lambda data: data.reshape(data.shape[0], -1, 34)[:, :, 2:].view(np.int8)
-                         .reshape(data.shape[0], -1),
-                         lambda data: (_fp16_at(data, 34, 0), np.zeros_like(_fp16_at(data, 34, 0)))),
-    # MXFP4 (gpt-oss's experts): an E8M0 exponent byte, 16 bytes of nibbles (as Q4_0's), each an
-    # E2M1 value; served as 8-bit codes MXFP4_TWICE[q] with scale 2^(e - 128)
-    "MXFP4": _BlockLayout(8, lambda data: MXFP4_TWICE[_nibbles(data, 17, 1)], _mxfp4_scale_zero),
-}
+def release_pages(reader: Any, data: np.ndarray) -> None:
+    """Drop `data`'s pages (a view of the reader's mapped file) from this process's mapping: they
+    stay in the page cache for a later read, but no longer count in this process's memory."""
+    mapped = getattr(reader.data, "base", None)
+    handle = getattr(mapped, "_mmap", None)
+    if handle is None or data.size == 0:
+        return
+    base = reader.data.__array_interface__["data"][0]
+    start = data.__array_interface__["data"][0] - base
+    end = start + (data.shape[0] - 1) * data.strides[0] + data.shape[-1] * data.itemsize if data.ndim > 1 else \
+        start + data.nbytes
+    first = start // mmap.PAGESIZE * mmap.PAGESIZE
+    handle.madvise(mmap.MADV_DONTNEED, first, min(end, len(handle)) - first)

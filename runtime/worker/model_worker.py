@@ -18,7 +18,7 @@ from radixlm.runtime.worker.attention.base import AttentionBackend
 from radixlm.runtime.worker.cuda_graph import DecodeGraphRunner
 from radixlm.runtime.worker.draft_model import DraftModel
 from radixlm.runtime.worker.forward_batch import FUTURE_BASE, ForwardBatch, WorkerBatch
-from radixlm.runtime.worker.layers import use_native_ops
+from radixlm.runtime.worker.layers import fit_positions, materialize_all, use_native_ops
 from radixlm.runtime.worker.loader import iter_weights
 from radixlm.runtime.worker.models.llama import ARCHITECTURES
 from radixlm.runtime.worker.native_decoder import NativeDecoder
@@ -97,8 +97,15 @@ class ModelWorker:
         # (it saves every layer of a page)
         windowed = (cfg.sliding_window is not None and tp.size == 1 and draft_model is None
                     and args.kv_tier_path is None and not args.disable_window_pages)
-        self.req_to_token = ReqToTokenTable(args.max_running_requests + 1, self.context_length + 1, self.device,
-                                            windowed=windowed)
+        # the positions a request can reach, and one more (a token-table row's width): below its
+        # length, which the pool bounds (every token of it has a slot) unless sliding layers keep
+        # only their window's
+        reach = self.context_length if windowed else min(self.context_length, self.num_pages * self.page_size)
+        self.positions = reach + 1
+        self.req_to_token = ReqToTokenTable(args.max_running_requests + 1, self.positions, self.device, windowed=windowed)
+        fit_positions(self.model, self.positions, exactly=model is None)
+        if draft_model is not None:
+            fit_positions(draft_model, self.positions, exactly=False)
         self.attn_backend = self._attention_backend()
         self.linear_mode = self._linear_mode(self.model)
         self.pad_slot = self.num_pages * self.page_size  # in the pool's spare page: padding rows write here
@@ -119,20 +126,29 @@ class ModelWorker:
     # ---- set-up ------------------------------------------------------------------------------
 
     def _load_model(self, source: ModelSource, config: ModelConfig, tp: TPContext) -> torch.nn.Module:
+        """The model as --quantization serves it: its parameters made empty (meta), then each read
+        straight into its served layout as the file is read (quant.plan_serving; layers.py), so
+        no float32 copy of a quantized model is ever held."""
         model_cls = ARCHITECTURES[config.architecture]
+        method, group = self.args.quantization, self.args.quantization_group_size
         if self.args.load_format == "dummy":
             with torch.device(self.device):  # made where it runs: an 8B model never passes through host memory
-                model = model_cls(config, tp).to(self.dtype)
+                model = model_cls(config, tp)
+                materialize_all(model, self.device)
             for name, param in model.named_parameters():  # small random weights, unit norms: finite activations
                 if name.endswith("norm.weight"):
                     param.data.fill_(1.0)
                 else:
                     param.data.normal_(0.0, 0.02)
-            return model.eval()
-        model = model_cls(config, tp)
-        quant.mark_for_codes(model, self.args.quantization)
-        model.load_weights(iter_weights(source, config))
-        return model.to(device=self.device, dtype=self.dtype).eval()
+            model = model.to(self.dtype)
+            kernels = quant.quantize_dense(model, method, group, self.device)
+        else:
+            model = model_cls(config, tp)
+            kernels = quant.plan_serving(model, method, group, self.device)
+            model.load_weights(iter_weights(source, config))
+        model = model.to(device=self.device, dtype=self.dtype).eval()
+        quant.summarize(model, (method, group), kernels, self.dtype)
+        return model
 
     def _draft_config(self, source: ModelSource) -> ModelConfig:
         """The draft model's config, once it is known to speak the target's vocabulary."""
@@ -143,19 +159,17 @@ class ModelWorker:
         return draft
 
     def _quantization(self, model: torch.nn.Module) -> quant.Summary:
-        """Serve the weights as --quantization says (once per model: a model shared between workers
+        """How the weights are served (decided as they were loaded: a model shared between workers
         keeps the first one's, which must be what this one asks for)."""
         asked = (self.args.quantization, self.args.quantization_group_size)
-        done: quant.Summary | None = getattr(model, "quantization", None)
-        if done is None:
-            done = quant.quantize_model(model, *asked)
-            if done.kernels != "none":
-                use_native_ops(model)
-            log.info("weights: %s, %.1f MB (%s); native CPU kernels: %s", done.method, done.weight_bytes / 1e6,
-                     "; ".join(f"{k}: {v}" for k, v in done.formats.items()), done.kernels)
-        elif done.requested != asked:
+        done: quant.Summary = model.quantization
+        if done.requested != asked:
             raise ValueError(f"the shared model is served as --quantization {done.requested[0]} "
                              f"(group {done.requested[1]}), not {asked[0]} (group {asked[1]})")
+        if done.kernels != "none":
+            use_native_ops(model)
+        log.info("weights: %s, %.1f MB (%s); native CPU kernels: %s", done.method, done.weight_bytes / 1e6,
+                 "; ".join(f"{k}: {v}" for k, v in done.formats.items()), done.kernels)
         return done
 
     def _kv_pool(self, cfg: ModelConfig) -> KVPool:
@@ -200,9 +214,7 @@ class ModelWorker:
         return pages
 
     def _linear_mode(self, model: torch.nn.Module) -> gemm.LinearMode:
-        q: quant.Summary = model.quantization
-        return gemm.LinearMode(self._linear_kernel(model), self.args.deterministic,
-                               q.invariant_plan if self.args.deterministic else q.plan)
+        return gemm.LinearMode(self._linear_kernel(model), self.args.deterministic)
 
     def _linear_kernel(self, model: torch.nn.Module) -> str:
         name = self.args.linear_kernel
@@ -210,7 +222,7 @@ class ModelWorker:
             if name not in gemm.available(self.device):
                 raise ValueError(f"--linear-kernel {name} is not available on {self.device}")
             return name
-        return gemm.default_kernel(self.device, self.dtype)  # quantized weights choose by quant.Plan
+        return gemm.default_kernel(self.device, self.dtype)  # for dense weights (quantized ones run on their codes)
 
     def _attention_backend(self) -> AttentionBackend:
         name = self.args.attention_backend
@@ -302,6 +314,7 @@ class ModelWorker:
         native decoder, the linear mode, CUDA graphs). The caller runs no step meanwhile and
         flushes the prefix cache after."""
         model = self._load_model(source, self.config, self.tp)
+        fit_positions(model, self.positions, exactly=True)
         quantization = self._quantization(model)
         self.model, self.quantization, self.source = model, quantization, source
         lora.sites(model)  # the adapters served apply to the new weights' projections too
@@ -372,7 +385,7 @@ class ModelWorker:
                 return self._model_forward(b)
         if self.graph_runner is not None and self.graph_runner.fits(b):
             return self.graph_runner.run(b)
-        if self.native_decoder is not None and self.native_decoder.fits(b, self.linear_mode):
+        if self.native_decoder is not None and self.native_decoder.fits(b):
             return self.native_decoder.run(b)
         return self._model_forward(b)
 

@@ -9,9 +9,7 @@ It calls the same kernels in the same order as the model's own forward on those 
 step is bitwise the same either way (tested): whether a step fits the decoder never changes a
 token, under --deterministic too (the decoder's attention is exact there, as the backend's is:
 each row bitwise itself alone). A step fits when every row decodes one token on the codes
-(any number of rows, or at most the plan's `dense_above` where it keeps dense copies) through
-the native attention backend; anything else (prefill chunks, verify rows, batches on the dense
-copies) runs op by op.
+through the native attention backend; anything else (prefill chunks, verify rows) runs op by op.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixlm.runtime.worker import gemm
 from radixlm.runtime.worker.forward_batch import StepTokens
 from radixlm.runtime.worker.quant import QuantizedMatrix
 
@@ -37,20 +34,20 @@ class NativeDecoder:
     def __init__(self, worker: ModelWorker) -> None:
         model, cfg = worker.model, worker.config
         weights: list[torch.Tensor] = []
-        formats: list[int] = []
+        rows: list[int] = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            weights += [layer.input_layernorm.weight.data, attn.qkv_proj.weight.tiled.tiles,
-                        _NONE if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data,
-                        attn.o_proj.weight.tiled.tiles, layer.post_attention_layernorm.weight.data,
-                        mlp.gate_up_proj.weight.tiled.tiles, mlp.down_proj.weight.tiled.tiles]
-            for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                formats += proj.weight.tiled.format
+            qkv, o, gate_up, down = (p.weight.tiled for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+            weights += [layer.input_layernorm.weight.data, qkv.tiles, qkv.segments,
+                        _NONE if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data, o.tiles, o.segments,
+                        layer.post_attention_layernorm.weight.data, gate_up.tiles, gate_up.segments, down.tiles,
+                        down.segments]
+            rows += [qkv.rows, o.rows, gate_up.rows, down.rows]
         weights.append(model.norm.weight.data)
         first = model.layers[0].self_attn
         pool = worker.kv_pool
         self._decoder = torch.classes.radixlm.Decoder(
-            weights, formats, pool.k_heads, pool.v_heads, model.rotary.cos2, model.rotary.sin2, first.num_heads,
+            weights, rows, pool.k_heads, pool.v_heads, model.rotary.cos2, model.rotary.sin2, first.num_heads,
             first.num_kv_heads, first.head_dim, float(cfg.rms_norm_eps), float(first.scale), first.window or 0,
             worker.attn_backend.invariant)
         self.window = first.window
@@ -76,10 +73,9 @@ class NativeDecoder:
             return None
         return NativeDecoder(worker)
 
-    def fits(self, b: StepTokens, mode: gemm.LinearMode) -> bool:
+    def fits(self, b: StepTokens) -> bool:
         rows = b.batch_size
-        return (b.num_decode == rows and b.input_ids.shape[0] == rows
-                and (mode.plan.dense_above is None or rows <= mode.plan.dense_above))
+        return b.num_decode == rows and b.input_ids.shape[0] == rows
 
     def run(self, b: StepTokens) -> torch.Tensor:
         """The final hidden states of a decode step's rows, [rows, hidden]."""

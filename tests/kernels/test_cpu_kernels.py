@@ -1,9 +1,11 @@
 """The native CPU kernels (kernels/cpu) against their torch references, and every ISA path this
 CPU runs against the portable one: bitwise, since each path sums in the same order (extend
-attention's vector paths only to rounding: they fold the softmax a block of keys at a time)."""
+attention's vector paths only to rounding: they fold the softmax a block of keys at a time).
+The quantized matmul's own tests: test_quant_kernels.py."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -13,84 +15,6 @@ from radixlm.kernels.cpu import build, reference as ref
 
 cpu.load()
 PATHS = list(range(cpu.best_isa() + 1))  # every path this CPU runs: portable (0) first
-
-
-def _matrix(gen: torch.Generator, n: int, k: int, bits: int, half: bool, with_zero: bool, group: int = 32):
-    raw = torch.randint(0, 16, (n, k), generator=gen) if bits == 4 else torch.randint(-127, 128, (n, k), generator=gen)
-    dtype = torch.float16 if half else torch.float32
-    scale = (torch.rand(n, k // group, generator=gen) * 0.05).to(dtype)
-    zero = (torch.randn(n, k // group, generator=gen) * 0.05).to(dtype) if with_zero else None
-    return raw, cpu.tile(raw, scale, zero, bits), scale, zero
-
-
-@settings(max_examples=60, deadline=None)
-@given(m=st.integers(1, 9), n=st.integers(1, 37), blocks=st.integers(1, 9), kind=st.sampled_from(["4", "8", "8 g16"]),
-       half=st.booleans(), with_zero=st.booleans(), seed=st.integers(0, 2**16))
-def test_quant_matmul_against_the_reference_and_across_paths(m, n, blocks, kind, half, with_zero, seed):
-    gen = torch.Generator().manual_seed(seed)
-    k = 32 * blocks
-    bits, group = int(kind[0]), (16 if "g16" in kind else 32)  # groups of 16: Q6_K's, 8-bit codes, no zero points
-    raw, tiled, scale, zero = _matrix(gen, n, k, bits, half, with_zero and group == 32, group)
-    back = cpu.untile(tiled)  # the layout holds exactly what it was given
-    assert torch.equal(back[0], raw.to(torch.int32)) and torch.equal(back[1], scale)
-    assert (back[2] is None) == (zero is None) and (zero is None or torch.equal(back[2], zero))
-    rows = torch.tensor([n - 1, 0, n // 2])
-    assert torch.equal(cpu.untile(tiled, rows)[0], raw[rows].to(torch.int32))
-    looked_up = raw[rows].float().view(3, -1, group) * scale[rows].float()[..., None]  # the embedding's lookup
-    if zero is not None:
-        looked_up = looked_up + zero[rows].float()[..., None]
-    assert torch.equal(cpu.dequantize_rows(tiled, rows), looked_up.view(3, k))
-    x = torch.randn(m, k, generator=gen) * 3
-    portable = cpu.quant_matmul(x, tiled, isa=0)
-    want = ref.quant_matmul(x, raw, scale.float(), None if zero is None else zero.float())
-    # the reference is float64 on the same quantized activations: only fp32 accumulation differs, its
-    # error a small multiple of fp32's epsilon (6e-8) times the sum of the terms' magnitudes (3,000
-    # random draws came within 1e-5 of it, one hypothesis found past it: 3e-5 is the bound held)
-    terms = ref.quant_matmul(x.abs(), raw.abs(), scale.float().abs(), None if zero is None else zero.float().abs()).abs()
-    assert ((portable - want).abs() <= 3e-5 * terms + 1e-6).all(), (((portable - want).abs() - 1e-6) / terms).max()
-    for isa in PATHS[1:]:
-        assert torch.equal(cpu.quant_matmul(x, tiled, isa=isa), portable), cpu.ISA_NAMES[isa]
-    # batch invariance: each row alone gives its row of the batch, bit for bit
-    for i in range(m):
-        assert torch.equal(cpu.quant_matmul(x[i : i + 1].clone(), tiled), portable[i : i + 1])
-
-
-def test_prefill_sized_batches_span_activation_slices():
-    """A batch longer than the rows a task takes at once (128 KB of 16-bit activations: 32 rows
-    of 2,048 columns) gives every row what it gives alone, on every path, and the reference's
-    values: the slices' outputs land in their own rows, the ragged last slice included."""
-    gen = torch.Generator().manual_seed(7)
-    k, m = 2048, 75
-    for bits, with_zero in ((4, True), (8, False)):
-        raw, tiled, scale, zero = _matrix(gen, 19, k, bits, True, with_zero)
-        x = torch.randn(m, k, generator=gen)
-        want = ref.quant_matmul(x, raw, scale.float(), None if zero is None else zero.float())
-        terms = ref.quant_matmul(x.abs(), raw.abs(), scale.float().abs(), None if zero is None else zero.float().abs())
-        for isa in PATHS:
-            got = cpu.quant_matmul(x, tiled, isa=isa)
-            assert ((got - want).abs() <= 1e-5 * terms.abs() + 1e-6).all(), cpu.ISA_NAMES[isa]
-            for i in (0, 31, 32, 63, 64, 74):
-                assert torch.equal(cpu.quant_matmul(x[i : i + 1].clone(), tiled, isa=isa), got[i : i + 1])
-
-
-def test_the_8_bit_dot_has_no_overflow_at_the_extremes():
-    codes = torch.full((3, 64), -127, dtype=torch.int8)
-    x = torch.full((2, 64), -1.0)  # every activation code -32767: products at their largest
-    scale = torch.ones(3, 2)
-    for isa in PATHS:
-        got = cpu.quant_matmul(x, cpu.tile(codes, scale, None, 8), isa=isa)
-        assert torch.allclose(got, torch.full((2, 3), 64 * 127.0), rtol=1e-6)  # 64 x (-127 x -1)
-
-
-@pytest.mark.parametrize("isa", PATHS)
-def test_quantize_activations_is_the_references(isa):
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(7, 160, generator=gen) * 4
-    x[2, :32] = 0  # an all-zero block: scale 0, codes 0
-    x[3, 5] = 0.5 * (x[3, :32].abs().max() / 32767) * 3  # odd multiples of half a step: ties round to even
-    q, d, s = cpu.quantize_activations(x, isa)
-    rq, rd, rs = ref.quantize_activations(x)
-    assert torch.equal(q, rq) and torch.equal(d, rd) and torch.equal(s, rs)
 
 
 @pytest.mark.parametrize("dim", [576, 64, 100])
@@ -116,30 +40,6 @@ def test_silu_mul(isa):
     assert torch.allclose(got, want, rtol=2e-6, atol=1e-7), (got - want).abs().max()
 
 
-def test_bad_arguments_are_named():
-    x = torch.randn(2, 64)
-    w = cpu.tile(torch.zeros(4, 64, dtype=torch.int64), torch.ones(4, 2), None, 4)
-    op = torch.ops.radixlm.quant_matmul
-    with pytest.raises(RuntimeError, match="multiple of 32 columns"):
-        cpu.quant_matmul(torch.randn(2, 40), w)
-    with pytest.raises(RuntimeError, match="tiles of a 4 x 64 matrix of 4-bit codes must be"):
-        op(x, w.tiles[:, :1].contiguous(), 4, 4, 32, False, False)
-    with pytest.raises(RuntimeError, match="tiles of a 9 x 64 matrix"):
-        op(x, w.tiles, 9, 4, 32, False, False)  # 9 rows take two groups of tiles
-    with pytest.raises(RuntimeError, match="4 or 8 bits"):
-        op(x, w.tiles, 4, 2, 32, False, False)
-    with pytest.raises(RuntimeError, match="groups of 32 columns \\(or 16, for 8-bit codes without zero points\\)"):
-        op(x, w.tiles, 4, 4, 16, False, False)
-    with pytest.raises(RuntimeError, match="float32 CPU tensor"):
-        cpu.quant_matmul(x.double(), w)
-    with pytest.raises(RuntimeError, match="not supported by this CPU"):
-        cpu.quant_matmul(x, w, isa=len(cpu.ISA_NAMES) + 3)
-    with pytest.raises(RuntimeError, match="row 4 outside a matrix of 4 rows"):
-        cpu.dequantize_rows(w, torch.tensor([0, 4]))
-    with pytest.raises(ValueError, match="not 4-bit in groups of 16"):
-        cpu.tile(torch.zeros(4, 64, dtype=torch.int64), torch.ones(4, 4), None, 4)
-
-
 def test_the_build_is_cached_and_keyed_by_sources_and_cpu(monkeypatch):
     key = build.build_key()
     library = build.cache_root() / key / f"radixlm_cpu_{key}.so"
@@ -152,30 +52,6 @@ def test_a_missing_compiler_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "no-such-c++")
     with pytest.raises(build.NativeBuildError, match="no-such-c\\+\\+.*--quantization none"):
         build._build("radixlm_cpu_test", tmp_path)
-
-
-def test_smollm2s_own_tensors():
-    """A Q4_1 layer matrix and the Q8_0 table of the embedded file, served from their codes: the
-    kernel against the float64 product of gguf's own dequantization and the quantized input."""
-    from radixlm.runtime.model_config import gguf_reader, resolve_model
-    from radixlm.runtime.worker.loader import GGUFTensor
-    from radixlm.runtime.worker.quant import QuantizedMatrix
-
-    tensors = {t.name: t for t in gguf_reader(resolve_model(None).path).tensors}
-    gen = torch.Generator().manual_seed(0)
-    for name in ("blk.3.ffn_down.weight", "token_embd.weight"):
-        t = GGUFTensor(tensors[name])
-        rows = slice(0, 2048)
-        blocks = t.blocks(rows, slice(None))
-        served = QuantizedMatrix(blocks)
-        x = torch.randn(3, t.shape[1], generator=gen)
-        q, d, _ = ref.quantize_activations(x)
-        xq = (q.double().view(3, -1, 32) * d.double()[..., None]).view(3, -1)
-        want = xq @ t[rows].double().T
-        got = served.kernel(x)
-        assert (got - want).abs().max() < 1e-4 * want.abs().max(), name
-        assert (got - x.double() @ t[rows].double().T).abs().max() < 1e-3 * want.abs().max()  # 16-bit inputs: near exact
-        assert served.tiled.half  # the file's fp16 scales kept as they are
 
 
 def _step(gen: torch.Generator, tokens: int, heads: int, kv_heads: int, d: int, slots: int = 300):
@@ -350,21 +226,23 @@ def test_extend_attention_names_bad_arguments():
 
 def _random_decoder(seed: int, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, d: int = 16,
                     inner: int = 96, slots: int = 64):
-    """A small decoder on random 4- and 8-bit codes (zero points on some, a qkv bias), its pools and tables."""
+    """A small decoder on random blocks of GGUF's formats (zero points on some, q and k in one format
+    beside v in another, a qkv bias), its pools and tables."""
     g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
 
-    def matrix(n: int, k: int, bits: int) -> cpu.Tiled:
-        codes = torch.randint(0, 16, (n, k), generator=g) if bits == 4 else torch.randint(-128, 128, (n, k), generator=g)
-        scale = (torch.rand(n, k // 32, generator=g) * 0.05).half()
-        zero = -(torch.rand(n, k // 32, generator=g) * 0.2).half() if bits == 4 else None
-        return cpu.tile(codes, scale, zero, bits)
+    def matrix(n: int, k: int, kinds: list[str]) -> cpu.Tiled:
+        size = -(-n // len(kinds))
+        parts = [cpu.Part(kind, torch.from_numpy(ref.random_blocks(kind, size, k, rng)), torch.arange(min(size, n - i * size)))
+                 for i, kind in enumerate(kinds)]
+        return cpu.pack(parts, k)
 
     width = (heads + 2 * kv_heads) * d
     weights = []
     for layer in range(layers):
-        bits = 4 if layer % 2 == 0 else 8
-        m = [matrix(width, hidden, bits), matrix(hidden, heads * d, bits), matrix(2 * inner, hidden, bits),
-             matrix(hidden, inner, bits)]
+        kinds = ["Q4_1"] if layer % 2 == 0 else ["Q8_0", "Q4_0"]
+        m = [matrix(width, hidden, kinds), matrix(hidden, heads * d, kinds), matrix(2 * inner, hidden, kinds),
+             matrix(hidden, inner, kinds)]
         weights += [1 + 0.1 * torch.randn(hidden, generator=g), m[0], torch.randn(width, generator=g), m[1],
                     1 + 0.1 * torch.randn(hidden, generator=g), m[2], m[3]]
     weights.append(1 + 0.1 * torch.randn(hidden, generator=g))
@@ -375,10 +253,10 @@ def _random_decoder(seed: int, layers: int = 2, hidden: int = 64, heads: int = 4
 
 
 def _decoder(weights, pools, cos2, sin2, dims, window=0, exact=True):
-    """torch.classes.radixlm.Decoder over `weights` (tiled matrices as their tiles and formats)."""
-    tensors = [w.tiles if isinstance(w, cpu.Tiled) else w for w in weights]
-    formats = [f for w in weights if isinstance(w, cpu.Tiled) for f in w.format]
-    return torch.classes.radixlm.Decoder(tensors, formats, pools[0], pools[1], cos2, sin2, *dims, 1e-5, dims[2] ** -0.5,
+    """torch.classes.radixlm.Decoder over `weights` (tiled matrices as their tiles and segments)."""
+    tensors = [t for w in weights for t in ((w.tiles, w.segments) if isinstance(w, cpu.Tiled) else (w,))]
+    rows = [w.rows for w in weights if isinstance(w, cpu.Tiled)]
+    return torch.classes.radixlm.Decoder(tensors, rows, pools[0], pools[1], cos2, sin2, *dims, 1e-5, dims[2] ** -0.5,
                                          window, exact)
 
 

@@ -12,7 +12,6 @@ import pytest
 from helpers import assert_drained
 from radixlm.kernels.cpu import build
 from radixlm.runtime.local_engine import LocalEngine
-from radixlm.runtime.worker.quant import Plan
 
 sys.path.append(os.path.join(os.path.dirname(__file__), "..", ".."))  # after site-packages (kernels/)
 from benchmarks.quality import hf_logprobs, make_text, score  # noqa: E402
@@ -45,22 +44,15 @@ def test_auto_serves_the_files_own_codes(served, smol):
     assert dense["served_quantization"] == "none" and dense["cpu_kernels"] == "none"
     assert dense["weight_formats"]["layers"] == "dense float32 (dequantized from Q4_1)"
     v, k = 49152, 576  # the table: int8 codes and the file's fp16 scales, nothing else
-    assert served.worker.model.embed_tokens.weight.code_bytes == v * k + v * k // 32 * 2
+    assert served.worker.model.embed_tokens.weight.nbytes == v * k + v * k // 32 * 2
     down = served.worker.model.layers[0].mlp.down_proj.weight  # [576, 1536]: half a byte a weight, fp16 d and m
-    assert down.code_bytes == 576 * 1536 // 2 + 576 * 1536 // 32 * 4  # Q4_1's own 20 bytes per 32 weights
+    assert down.nbytes == 576 * 1536 // 2 + 576 * 1536 // 32 * 4  # Q4_1's own 20 bytes per 32 weights
 
 
-@pytest.mark.parametrize("kernel", ["codes", "served plan"])
-def test_quality_against_hf_fp32(served, text, kernel):
+def test_quality_against_hf_fp32(served, text):
     """On 384 tokens of the script's text: the full run (2,048 tokens) is benchmarks/quality.py's table."""
     ids, ref = text
-    mode = served.worker.linear_mode
-    if kernel == "codes":
-        served.worker.linear_mode = mode._replace(plan=Plan())  # decode's kernels at every batch size
-    try:
-        s = score(served, ids, ref)
-    finally:
-        served.worker.linear_mode = mode
+    s = score(served, ids, ref)
     assert s["agreement"] >= 0.98, s
     assert s["flips"] - s["near_tie_flips"] <= 1, s  # a flip where HF itself has a clear favourite is a bug
     assert s["mean_abs_dlogprob"] < 0.04 and s["max_abs_dlogprob"] < 0.5, s
@@ -72,7 +64,7 @@ def test_chat_and_batches_on_the_quantized_kernels(served):
     prompt = served.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     out = served.generate(prompt, {"max_new_tokens": 16, "temperature": 0})
     assert "Paris" in out["text"]
-    # the same prompt in a batch of 12 (prefill on the dense copies where the CPU has native bf16) and alone
+    # the same prompt in a batch of 12 and alone
     many = served.generate([prompt] + [f"Count to {i}:" for i in range(11)], {"max_new_tokens": 16, "temperature": 0})
     assert "Paris" in many[0]["text"]
     assert_drained(served)
@@ -99,9 +91,8 @@ def _greedy_with_and_without_the_decoder(engine, prompts, new_tokens):
 
 def test_the_native_decoder_is_the_ops_bit_for_bit(served):
     """A decode step in one native call (runtime/worker/native_decoder.py) gives the same bits as
-    the model's forward op by op: tokens and logprobs, in batches of 6 and 12 rows (on a CPU with
-    native bf16, 12 rows take the dense copies and run op by op) and in steps that do not fit it
-    (prefill)."""
+    the model's forward op by op: tokens and logprobs, in batches of 6 and 12 rows and in steps
+    that do not fit it (prefill)."""
     tok = served.tokenizer
     prompts = [tok.encode(f"Story {i}: once upon a time" + " and then" * (3 * i), add_special_tokens=False)
                for i in range(12)]
@@ -191,8 +182,8 @@ def test_tensor_parallel_ranks_serve_their_slices_of_the_codes(served):
         split = engine.generate(**kwargs)
     a = [lp for lp, *_ in single["meta_info"]["input_token_logprobs"][1:]]
     b = [lp for lp, *_ in split["meta_info"]["input_token_logprobs"][1:]]
-    # partial sums of three ranks, each on its own activations' int8 blocks (a 13-token prefill
-    # runs on the dense copies in both). A rank serving the wrong slice of a matrix is off by whole nats.
+    # partial sums of three ranks, each on its own activations' 16-bit blocks. A rank serving the
+    # wrong slice of a matrix is off by whole nats.
     assert max(abs(x - y) for x, y in zip(a, b)) < 0.3
     assert single["output_ids"][0] == split["output_ids"][0]
 

@@ -226,11 +226,13 @@ def test_the_fast_gguf_reader_reads_what_ggufs_own_reads():
 def test_gpt_oss_mxfp4_experts_read_as_hf_dequantizes_them(tmp_path):
     """gpt-oss's checkpoints keep each kind of expert matrix stacked in OpenAI's MXFP4 (`_blocks`,
     `_scales`), gate and up interleaved: each expert's matrices read back as transformers' own
-    converter dequantizes them (de-interleaved, gate first, as [out, in]), and as exact 8-bit codes."""
+    converter dequantizes them (de-interleaved, gate first, as [out, in]), and as the file's own
+    blocks, laid out for the kernels with nothing rounded."""
     import torch
     from safetensors.torch import save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+    from radixlm.kernels import cpu
     from radixlm.runtime.worker.loader import _iter_safetensors
 
     gen = torch.Generator().manual_seed(0)
@@ -255,7 +257,8 @@ def test_gpt_oss_mxfp4_experts_read_as_hf_dequantizes_them(tmp_path):
             weight = got[f"model.layers.0.mlp.experts.{e}.{proj}.weight"]
             assert weight.format == "MXFP4" and weight.shape == tuple(w.shape)
             assert torch.equal(weight.full(), w)
-            codes = weight.row_blocks(0, w.shape[0])
-            assert codes.bits == 8 and torch.equal(codes.dequantize(), w)
+            part = weight.file_part(slice(None), slice(None))
+            served = cpu.pack([part], w.shape[1])
+            assert torch.equal(cpu.dequantize_rows(served, torch.arange(w.shape[0])), w)
             assert torch.equal(weight.rows(5, 7), w[5:12])
             assert torch.equal(got[f"model.layers.0.mlp.experts.{e}.{proj}.bias"].full(), b)

@@ -21,17 +21,17 @@ namespace radixlm {
 namespace {
 
 struct Linear {  // one projection on its tiled codes; the tensors are held so the views stay valid
-  at::Tensor tiles, bias;
+  at::Tensor tiles, segments, bias;
   TiledMatrix w{};
   const float* b = nullptr;
 
   Linear() = default;
-  // format: rows, bits, group, half, zero (as the op quant_matmul takes them)
-  Linear(const at::Tensor& tiles_, const at::Tensor& bias_, const int64_t* format, int64_t cols, int64_t rows,
-         const char* what)
-      : tiles(tiles_), bias(bias_) {
-    RADIXLM_CHECK(format[0] == rows, "radixlm: Decoder: ", what, " must have ", rows, " rows, got ", format[0]);
-    w = tiled_matrix(tiles_, rows, cols, format[1], format[2], format[3] != 0, format[4] != 0);
+  // `given`: the rows the model says the projection has
+  Linear(const at::Tensor& tiles_, const at::Tensor& segments_, const at::Tensor& bias_, int64_t given, int64_t cols,
+         int64_t rows, const char* what)
+      : tiles(tiles_), segments(segments_), bias(bias_) {
+    RADIXLM_CHECK(given == rows, "radixlm: Decoder: ", what, " must have ", rows, " rows, got ", given);
+    w = tiled_matrix(tiles_, segments_, rows, cols);
     if (bias_.defined() && bias_.numel() > 0) {
       RADIXLM_CHECK(bias_.scalar_type() == at::kFloat && bias_.is_contiguous() && bias_.numel() == rows,
                   "radixlm: Decoder: ", what, " bias must be float32 [", rows, "]");
@@ -55,12 +55,12 @@ const at::Tensor& vector_of(const at::Tensor& t, int64_t n, const char* what) {
 
 class Decoder : public torch::CustomClassHolder {
  public:
-  // Tensors per layer, in this order: input norm; qkv tiles, qkv bias (an empty tensor where the
-  // model has none); o tiles; post-attention norm; gate/up tiles; down tiles. Then the final
-  // norm. `formats`: per projection (qkv, o, gate/up, down of each layer) its rows, bits, group,
-  // half and zero, as quant_matmul takes them.
-  static constexpr int64_t kPerLayer = 7;
-  static constexpr int64_t kFormat = 5;
+  // Tensors per layer, in this order: input norm; qkv tiles, segments and bias (an empty tensor
+  // where the model has none); o tiles and segments; post-attention norm; gate/up tiles and
+  // segments; down tiles and segments. Then the final norm. `formats`: per projection (qkv, o,
+  // gate/up, down of each layer) its rows.
+  static constexpr int64_t kPerLayer = 11;
+  static constexpr int64_t kFormat = 1;
 
   Decoder(std::vector<at::Tensor> weights, std::vector<int64_t> formats, std::vector<at::Tensor> k_pools,
           std::vector<at::Tensor> v_pools, at::Tensor cos2, at::Tensor sin2, int64_t heads, int64_t kv_heads,
@@ -86,15 +86,15 @@ class Decoder : public torch::CustomClassHolder {
       const int64_t* f = formats.data() + l * 4 * kFormat;
       Layer layer;
       layer.input_norm = vector_of(w[0], hidden_, "an input norm");
-      layer.qkv = Linear(w[1], w[2], f, hidden_, width, "qkv");
-      layer.o = Linear(w[3], at::Tensor(), f + kFormat, q_size, hidden_, "o");
-      layer.post_norm = vector_of(w[4], hidden_, "a post-attention norm");
+      layer.qkv = Linear(w[1], w[2], w[3], f[0], hidden_, width, "qkv");
+      layer.o = Linear(w[4], w[5], at::Tensor(), f[kFormat], q_size, hidden_, "o");
+      layer.post_norm = vector_of(w[6], hidden_, "a post-attention norm");
       const int64_t inner2 = f[2 * kFormat];
       RADIXLM_CHECK(inner2 > 0 && inner2 % 2 == 0 && (l == 0 || inner2 == 2 * inner_),
                   "radixlm: Decoder: gate/up needs the same even number of rows in every layer");
       inner_ = inner2 / 2;
-      layer.gate_up = Linear(w[5], at::Tensor(), f + 2 * kFormat, hidden_, inner2, "gate/up");
-      layer.down = Linear(w[6], at::Tensor(), f + 3 * kFormat, inner_, hidden_, "down");
+      layer.gate_up = Linear(w[7], w[8], at::Tensor(), inner2, hidden_, inner2, "gate/up");
+      layer.down = Linear(w[9], w[10], at::Tensor(), f[3 * kFormat], inner_, hidden_, "down");
       check_pool(k_pools[l], kv_heads, head_dim, "k_pool");
       check_pool(v_pools[l], kv_heads, head_dim, "v_pool");
       RADIXLM_CHECK(k_pools[l].size(1) == k_pools[0].size(1) && v_pools[l].size(1) == k_pools[0].size(1),

@@ -16,7 +16,6 @@ namespace radixlm {
 namespace {
 
 // Rows of work per thread task: enough that a task is worth a wake-up.
-constexpr int64_t kWideRows = 2;  // batches the AVX-512 matmul takes
 constexpr int64_t kSliceBytes = 128 << 10;  // a matmul's activation rows a task takes at once (quantized)
 
 int64_t grain(int64_t cost_per_row) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cost_per_row)); }
@@ -44,27 +43,40 @@ void matmul_into(const float* x, int64_t m, const TiledMatrix& w, const float* b
                  float* y, Isa isa) {
   quantize_into(x, m, w.cols, scratch, isa);
   const QuantizedActivations xa{scratch.q, scratch.d, scratch.sum, m, w.cols};
-  // the AVX-512 kernel's per-call pair table grows with the rows (m x 512 bytes a block): it won
-  // at one row on a Sapphire Rapids host and lost at 8 and 32 (benchmarks/README.md), so larger
-  // batches take the AVX2 kernel, bitwise the same results
-  auto run = isa == Isa::avx512 && m <= kWideRows ? matmul_groups_avx512
-             : isa >= Isa::avx2                  ? matmul_groups_avx2
-                                                 : matmul_groups_portable;
-  const int64_t group_bytes = w.blocks() * w.tile_bytes();
+  auto run = isa == Isa::avx512 ? matmul_stream_avx512 : isa >= Isa::avx2 ? matmul_stream_avx2 : matmul_stream_portable;
   // A task's row groups against the activations in slices of at most kSliceBytes: each group's
   // tiles are unpacked once per slice, and the slice stays in L2 across the task's groups (at
   // 1,024+ prefill rows the whole activation matrix did not, and the kernel fell 20% behind
   // oneDNN's fp32). Each output is computed by the same instructions either way.
   const int64_t slice = std::max<int64_t>(4, kSliceBytes / (w.cols * int64_t(sizeof(int16_t))) / 4 * 4);
-  at::parallel_for(0, w.groups(), grain(group_bytes * std::max<int64_t>(1, m / 4)), [&](int64_t g0, int64_t g1) {
-    for (int64_t m0 = 0; m0 < m; m0 += slice) {
-      const int64_t nb = w.blocks(), rows = std::min(slice, m - m0);
-      const QuantizedActivations part{xa.q + m0 * w.cols, xa.d + m0 * nb, xa.sum + m0 * nb, rows, w.cols};
-      run(part, w, g0, g1, y + m0 * w.rows);
+  // One parallel region over every segment's pairs of row groups (the AVX-512 kernel reads two
+  // groups side by side): pair p of the matrix is pair p - first[s] of segment s.
+  std::vector<int64_t> first{0};
+  int64_t bytes = 0;
+  for (const Segment& s : w.segments) {
+    first.push_back(first.back() + (s.groups() + 1) / 2);
+    bytes += TileStream(w.data, s, w.cols).group_bytes() * s.groups();
+  }
+  const int64_t pairs = first.back(), nb = w.blocks();
+  at::parallel_for(0, pairs, grain(bytes / std::max<int64_t>(1, pairs) * std::max<int64_t>(1, m / 4)),
+                   [&](int64_t p0, int64_t p1) {
+    for (size_t si = 0; si < w.segments.size(); ++si) {
+      const int64_t a = std::max(p0, first[si]), b = std::min(p1, first[si + 1]);
+      if (a >= b) continue;
+      const Segment& s = w.segments[si];
+      const TileStream ts(w.data, s, w.cols);
+      const int64_t g0 = 2 * (a - first[si]), g1 = std::min(2 * (b - first[si]), ts.groups());
+      float* ys = y + s.row0;
+      for (int64_t m0 = 0; m0 < m; m0 += slice) {
+        const int64_t rows = std::min(slice, m - m0);
+        const QuantizedActivations part{xa.q + m0 * w.cols, xa.d + m0 * nb, xa.sum + m0 * nb, rows, w.cols};
+        run(part, ts, g0, g1, ys + m0 * w.rows, w.rows);
+      }
+      if (bias != nullptr)
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t n = g0 * kTileRows; n < std::min(g1 * kTileRows, s.rows); ++n)
+            ys[r * w.rows + n] += bias[s.row0 + n];
     }
-    if (bias != nullptr)
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t n = g0 * kTileRows; n < std::min(g1 * kTileRows, w.rows); ++n) y[r * w.rows + n] += bias[n];
   });
 }
 

@@ -11,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "repack.h"
 #include "tensors.h"
 
 namespace radixlm {
@@ -48,19 +49,36 @@ void check_rows(const at::Tensor& x, const char* what) {
               what, " must be a contiguous 2-D float32 CPU tensor, got ", x.scalar_type(), " ", x.sizes());
 }
 
-TiledMatrix tiled_matrix(const at::Tensor& tiles, int64_t rows, int64_t cols, int64_t bits, int64_t group, bool half,
-                         bool zero) {
-  RADIXLM_CHECK(bits == 4 || bits == 8, "radixlm: codes must be 4 or 8 bits, got ", bits);
-  RADIXLM_CHECK(group == kBlock || (group == 16 && bits == 8 && !zero), "radixlm: codes come in groups of ", kBlock,
-              " columns (or 16, for 8-bit codes without zero points), not ", group);
+TiledMatrix tiled_matrix(const at::Tensor& tiles, const at::Tensor& segments, int64_t rows, int64_t cols) {
   RADIXLM_CHECK(rows > 0 && cols > 0 && cols % kBlock == 0, "radixlm: a tiled matrix needs rows and a multiple of ", kBlock,
-              " columns, got ", rows, " x ", cols);
-  const TiledMatrix w{nullptr, rows, cols, int(bits), group, half, zero};
-  RADIXLM_CHECK(tiles.device().is_cpu() && tiles.scalar_type() == at::kByte && tiles.is_contiguous() && tiles.dim() == 3 &&
-                  tiles.size(0) == w.groups() && tiles.size(1) == w.blocks() && tiles.size(2) == w.tile_bytes(),
-              "radixlm: the tiles of a ", rows, " x ", cols, " matrix of ", bits, "-bit codes must be contiguous uint8 [",
-              w.groups(), ", ", w.blocks(), ", ", w.tile_bytes(), "], got ", tiles.scalar_type(), " ", tiles.sizes());
-  return {tiles.data_ptr<uint8_t>(), rows, cols, int(bits), group, half, zero};
+                " columns, got ", rows, " x ", cols);
+  RADIXLM_CHECK(tiles.device().is_cpu() && tiles.scalar_type() == at::kByte && tiles.is_contiguous() && tiles.dim() == 1,
+                "radixlm: tiles must be a contiguous uint8 CPU vector, got ", tiles.scalar_type(), " ", tiles.sizes());
+  RADIXLM_CHECK(segments.device().is_cpu() && segments.scalar_type() == at::kLong && segments.is_contiguous() &&
+                    segments.dim() == 2 && segments.size(1) == 5 && segments.size(0) > 0,
+                "radixlm: segments must be a contiguous int64 [n, 5] CPU tensor (row0, rows, offset, kind, wide), got ",
+                segments.sizes());
+  TiledMatrix w;
+  w.data = tiles.data_ptr<uint8_t>();
+  w.rows = rows;
+  w.cols = cols;
+  const int64_t* s = segments.data_ptr<int64_t>();
+  int64_t next_row = 0;
+  for (int64_t i = 0; i < segments.size(0); ++i, s += 5) {
+    RADIXLM_CHECK(s[3] >= 0 && s[3] < kCodeKinds && (s[4] == 0 || s[4] == 1), "radixlm: segment ", i,
+                  " names no format (kind ", s[3], ")");
+    const Segment seg{s[0], s[1], s[2], Codes(s[3]), s[4] != 0};
+    RADIXLM_CHECK(seg.row0 == next_row && seg.rows > 0 && seg.row0 + seg.rows <= rows,
+                  "radixlm: segment ", i, " must hold the rows after the last one's, within the matrix's ", rows);
+    RADIXLM_CHECK(!is_k(seg.kind) || w.blocks() % kSuperBlocks == 0, "radixlm: a K-quant segment needs a multiple of ",
+                  kSuperBlocks * kBlock, " columns, got ", cols);
+    RADIXLM_CHECK(seg.offset >= 0 && seg.offset + segment_bytes(seg.kind, seg.wide, seg.rows, cols) <= tiles.numel(),
+                  "radixlm: segment ", i, " runs past the tiles' ", tiles.numel(), " bytes");
+    next_row += seg.rows;
+    w.segments.push_back(seg);
+  }
+  RADIXLM_CHECK(next_row == rows, "radixlm: the segments hold ", next_row, " rows of a matrix of ", rows);
+  return w;
 }
 
 void check_pool(const at::Tensor& pool, int64_t kv_heads, int64_t head_dim, const char* what) {
@@ -125,20 +143,20 @@ void check_blocks(const at::Tensor& x) {
   RADIXLM_CHECK(x.size(1) % kBlock == 0, "radixlm: activations need a multiple of ", kBlock, " columns, got ", x.size(1));
 }
 
-at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& tiles, int64_t rows, int64_t bits, int64_t group,
-                        bool half, bool zero, int64_t isa_level) {
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& segments, int64_t rows,
+                        int64_t isa_level) {
   check_blocks(x);
   const Isa isa = resolve_isa(isa_level);
-  const TiledMatrix w = tiled_matrix(tiles, rows, x.size(1), bits, group, half, zero);
+  const TiledMatrix w = tiled_matrix(tiles, segments, rows, x.size(1));
   const Activations scratch(x.size(0), x.size(1), x.options());
   at::Tensor y = at::empty({x.size(0), w.rows}, x.options());
   matmul_into(x.data_ptr<float>(), x.size(0), w, nullptr, scratch.buffer(), y.data_ptr<float>(), isa);
   return y;
 }
 
-at::Tensor dequantize_rows_op(const at::Tensor& tiles, const at::Tensor& ids, int64_t rows, int64_t bits, int64_t group,
-                              bool half, bool zero, int64_t cols) {
-  const TiledMatrix w = tiled_matrix(tiles, rows, cols, bits, group, half, zero);
+at::Tensor dequantize_rows_op(const at::Tensor& tiles, const at::Tensor& segments, const at::Tensor& ids, int64_t rows,
+                              int64_t cols) {
+  const TiledMatrix w = tiled_matrix(tiles, segments, rows, cols);
   RADIXLM_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong, "radixlm: row ids must be an int64 CPU tensor");
   const at::Tensor flat = ids.contiguous().view(-1);
   const int64_t* id = flat.data_ptr<int64_t>();
@@ -152,11 +170,73 @@ at::Tensor dequantize_rows_op(const at::Tensor& tiles, const at::Tensor& ids, in
   return out;
 }
 
+// A matrix's tiles from its parts' file blocks (repack.h), rows in order: part i's rows are
+// sources[i]'s rows row_ids[i] (-1: a row of zeros), each source row its blocks' bytes for the
+// matrix's columns, in format formats[i]. Consecutive parts of one format make one segment.
+// Returns (tiles, segments) as quant_matmul takes them.
+std::tuple<at::Tensor, at::Tensor> pack(const std::vector<at::Tensor>& sources, const std::vector<at::Tensor>& row_ids,
+                                        const std::vector<int64_t>& formats, int64_t cols) {
+  RADIXLM_CHECK(!sources.empty() && sources.size() == row_ids.size() && sources.size() == formats.size(),
+                "radixlm: pack needs one row index and one format per source, and at least one source");
+  RADIXLM_CHECK(cols > 0 && cols % kBlock == 0, "radixlm: pack needs a multiple of ", kBlock, " columns, got ", cols);
+  struct Run {
+    Source format;
+    std::vector<const uint8_t*> rows;
+  };
+  std::vector<Run> runs;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    RADIXLM_CHECK(formats[i] >= 0 && formats[i] < kSources, "radixlm: pack: part ", i, " names no block format (",
+                  formats[i], ")");
+    const Source f = Source(formats[i]);
+    const at::Tensor& src = sources[i];
+    const at::Tensor& ids = row_ids[i];
+    const int64_t need = cols / source_block_cols(f) * source_block_bytes(f);
+    RADIXLM_CHECK(cols % source_block_cols(f) == 0, "radixlm: pack: part ", i, "'s blocks of ", source_block_cols(f),
+                  " columns do not make ", cols);
+    RADIXLM_CHECK(src.device().is_cpu() && src.scalar_type() == at::kByte && src.dim() == 2 && src.stride(1) == 1 &&
+                      src.size(1) >= need,
+                  "radixlm: pack: part ", i, " must be uint8 [rows, >= ", need, " bytes] with contiguous rows, got ",
+                  src.sizes());
+    RADIXLM_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(),
+                  "radixlm: pack: row ids must be contiguous int64 vectors");
+    if (runs.empty() || runs.back().format != f) runs.push_back({f, {}});
+    const uint8_t* base = src.data_ptr<uint8_t>();
+    const int64_t* id = ids.data_ptr<int64_t>();
+    for (int64_t r = 0; r < ids.numel(); ++r) {
+      RADIXLM_CHECK(id[r] >= -1 && id[r] < src.size(0), "radixlm: pack: row ", id[r], " outside part ", i, "'s ",
+                    src.size(0), " rows");
+      runs.back().rows.push_back(id[r] < 0 ? nullptr : base + id[r] * src.stride(0));
+    }
+  }
+  at::Tensor segments = at::empty({int64_t(runs.size()), 5}, at::TensorOptions().dtype(at::kLong));
+  int64_t* seg = segments.data_ptr<int64_t>();
+  int64_t row0 = 0, bytes = 0;
+  for (const Run& run : runs) {
+    bool wide = false;
+    const Codes kind = source_codes(run.format, &wide);
+    const int64_t rows = int64_t(run.rows.size());
+    RADIXLM_CHECK(rows > 0, "radixlm: pack: a part with no rows");
+    *seg++ = row0, *seg++ = rows, *seg++ = bytes, *seg++ = int64_t(kind), *seg++ = wide;
+    row0 += rows;
+    bytes += segment_bytes(kind, wide, rows, cols);
+  }
+  at::Tensor tiles = at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
+  for (size_t i = 0; i < runs.size(); ++i)
+    repack_rows(runs[i].format, runs[i].rows.data(), int64_t(runs[i].rows.size()), cols,
+                tiles.data_ptr<uint8_t>() + segments[int64_t(i)][2].item<int64_t>());
+  return {tiles, segments};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x, int64_t isa_level) {
   check_blocks(x);
   const Activations a(x.size(0), x.size(1), x.options());
   quantize_into(x.data_ptr<float>(), x.size(0), x.size(1), a.buffer(), resolve_isa(isa_level));
-  return {a.q, a.d, a.sum};
+  // back from pair order (an exchange of columns, its own inverse) to column order
+  at::Tensor q = at::empty(a.q.sizes(), a.q.options());
+  const int16_t* src = a.q.data_ptr<int16_t>();
+  int16_t* dst = q.data_ptr<int16_t>();
+  for (int64_t i = 0; i < q.numel(); ++i) dst[i] = src[pair_order(i)];
+  return {q, a.d, a.sum};
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const std::optional<at::Tensor>& residual,
@@ -304,11 +384,10 @@ int64_t best_isa_level() { return int64_t(best_isa()); }
 
 TORCH_LIBRARY(radixlm, m) {
   m.def("best_isa() -> int", &best_isa_level);
-  m.def("dequantize_rows(Tensor tiles, Tensor ids, int rows, int bits, int group, bool half, bool zero, int cols) -> Tensor",
-        &dequantize_rows_op);
+  m.def("dequantize_rows(Tensor tiles, Tensor segments, Tensor ids, int rows, int cols) -> Tensor", &dequantize_rows_op);
+  m.def("pack(Tensor[] sources, Tensor[] row_ids, int[] formats, int cols) -> (Tensor, Tensor)", &pack);
   m.def("quantize_activations(Tensor x, int isa=-1) -> (Tensor, Tensor, Tensor)", &quantize_activations);
-  m.def("quant_matmul(Tensor x, Tensor tiles, int rows, int bits, int group, bool half, bool zero, int isa=-1) -> Tensor",
-        &quant_matmul);
+  m.def("quant_matmul(Tensor x, Tensor tiles, Tensor segments, int rows, int isa=-1) -> Tensor", &quant_matmul);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual=None, int isa=-1) -> Tensor", &rms_norm);
   m.def("silu_mul(Tensor gate_up, int isa=-1) -> Tensor", &silu_mul);
   m.def("rope_store(Tensor(a!) qkv, Tensor positions, Tensor cos2, Tensor sin2, Tensor(b!) k_pool, Tensor(c!) v_pool, "

@@ -1,8 +1,7 @@
 // The AVX2 path of the quantized matmul (AVX2, FMA, F16C: every x86 CPU since 2013-2015).
 // Bitwise the portable path's results: the same exact integer dots, the same fused multiply-adds
-// in the same order. Built for AVX2 by target attributes, so the library
-// loads on any x86 CPU and this code runs only where the dispatcher found AVX2.
-#include <algorithm>
+// in the same order. Built for AVX2 by target attributes, so the library loads on any x86 CPU and
+// this code runs only where the dispatcher found AVX2.
 #include <cmath>
 #include <cstring>
 
@@ -13,65 +12,80 @@
 namespace radixlm {
 namespace {
 
-// Activation columns 2p and 2p + 1 in every 32-bit lane.
-RADIXLM_AVX2 inline __m256i pair(const int16_t* x, int p) {
+// Activation pair q of a block (pair order: one 32-bit load) in every lane.
+RADIXLM_AVX2 inline __m256i pair(const int16_t* xq, int q) {
   int32_t v;
-  std::memcpy(&v, x + 2 * p, sizeof v);
+  std::memcpy(&v, xq + 2 * q, sizeof v);
   return _mm256_set1_epi32(v);
 }
 
-// Activation rows m0 .. m0 + M against row group g: per block, each activation row's 8 integer
-// dots (one lane a weight row) from a multiply-add per column pair, the chunk's codes unpacked
-// once for the M rows; then scaled and added into each row's accumulator, as the portable path.
-template <int Bits, int Group, int M>
-RADIXLM_AVX2 void group_rows(const QuantizedActivations& x, const TiledMatrix& w, int64_t m0, int64_t g, float* y) {
-  constexpr int Halves = Group == 16 ? 2 : 1;
-  const int64_t nb = w.blocks(), tile = w.tile_bytes(), code_at = w.scale_bytes() + w.zero_bytes();
-  const __m256i nibble = _mm256_set1_epi16(0x0F);
-  __m256 acc[M], zacc[M];
-  for (int i = 0; i < M; ++i) acc[i] = zacc[i] = _mm256_setzero_ps();
-  const uint8_t* t = w.tiles + g * nb * tile;
-  for (int64_t b = 0; b < nb; ++b, t += tile) {
-    const uint8_t* chunks = t + code_at;
-    __m256i dots[M][Halves];
-    for (int i = 0; i < M; ++i)
-      for (int h = 0; h < Halves; ++h) dots[i][h] = _mm256_setzero_si256();
-    if constexpr (Bits == 4) {
-      for (int j = 0; j < 4; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 32 * j));
-        const __m256i codes[4] = {_mm256_and_si256(v, nibble), _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble),
-                                  _mm256_and_si256(_mm256_srli_epi16(v, 8), nibble), _mm256_srli_epi16(v, 12)};
-        for (int i = 0; i < M; ++i) {
-          const int16_t* xq = x.q + (m0 + i) * x.cols + b * kBlock;
-          for (int k = 0; k < 4; ++k) dots[i][0] = _mm256_add_epi32(dots[i][0], _mm256_madd_epi16(codes[k], pair(xq, 4 * j + k)));
-        }
-      }
-    } else {
-      for (int j = 0; j < 8; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 32 * j));
-        const __m256i low = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8), high = _mm256_srai_epi16(v, 8);
-        const int h = Halves == 2 ? j / 4 : 0;
-        for (int i = 0; i < M; ++i) {
-          const int16_t* xq = x.q + (m0 + i) * x.cols + b * kBlock;
-          dots[i][h] = _mm256_add_epi32(dots[i][h], _mm256_madd_epi16(low, pair(xq, 2 * j)));
-          dots[i][h] = _mm256_add_epi32(dots[i][h], _mm256_madd_epi16(high, pair(xq, 2 * j + 1)));
-        }
-      }
-    }
-    scale_block<Halves, M>(x, w, t, m0, b, dots, acc, zacc);
-  }
-  store_group<M>(w, g, m0, acc, zacc, y);
+template <int M>
+RADIXLM_AVX2 inline void multiply_add(__m256i codes, const int16_t* const (&xq)[M], int q, __m256i (&dots)[M][2], int h) {
+  for (int i = 0; i < M; ++i) dots[i][h] = _mm256_add_epi32(dots[i][h], _mm256_madd_epi16(codes, pair(xq[i], q)));
 }
 
-template <int Bits, int Group>
-RADIXLM_AVX2 void groups(const QuantizedActivations& x, const TiledMatrix& w, int64_t g0, int64_t g1, float* y) {
+// A 4-bit format's chunks T..3 of one tile against M activation rows.
+template <Codes K, int M, int T = 0>
+RADIXLM_AVX2 inline void dots4(const uint8_t* chunks, const uint8_t* high, const int16_t* const (&xq)[M],
+                               __m256i (&dots)[M][2]) {
+  const __m256i v = chunk_at(chunks, T);
+  multiply_add<M>(codes4<K, T, 0>(v, high), xq, pair4(T, 0), dots, 0);
+  multiply_add<M>(codes4<K, T, 2>(v, high), xq, pair4(T, 2), dots, 0);
+  // columns 16..31: Q6_K's second sub-block
+  multiply_add<M>(codes4<K, T, 1>(v, high), xq, pair4(T, 1), dots, halves(K) - 1);
+  multiply_add<M>(codes4<K, T, 3>(v, high), xq, pair4(T, 3), dots, halves(K) - 1);
+  if constexpr (T < 3) dots4<K, M, T + 1>(chunks, high, xq, dots);
+}
+
+// Activation rows m0 .. m0 + M against row group g: per block, each activation row's 8 integer
+// dots (a lane a weight row) from a multiply-add per column pair, the chunk's codes unpacked once
+// for the M rows; then scaled into each row's accumulator, as the portable path.
+template <Codes K, int M>
+RADIXLM_AVX2 void group_rows(const QuantizedActivations& x, const TileStream& w, int64_t m0, int64_t g, float* y,
+                             int64_t y_stride) {
+  const Layout& l = w.layout;
+  __m256 acc[M];
+  for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
+  const uint8_t* p = w.group(g);
+  KHeader head{};
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    if (is_k(K) && b % kSuperBlocks == 0) {
+      head = k_header<K>(p);
+      p += l.header;
+    }
+    const uint8_t* t = p;
+    p += l.tile();
+    __m256 scale[2], zero = _mm256_setzero_ps();
+    tile_scales<K>(w, head, t, scale, zero);
+    const uint8_t* chunks = t + l.scales + l.zeros;
+    const int16_t* xq[M];
+    for (int i = 0; i < M; ++i) xq[i] = x.q + (m0 + i) * x.cols + b * kBlock;
+    __m256i dots[M][2];
+    for (int i = 0; i < M; ++i) dots[i][0] = dots[i][1] = _mm256_setzero_si256();
+    if constexpr (K == Codes::s8) {
+      for (int c = 0; c < 8; ++c) {
+        const __m256i v = chunk_at(chunks, c);
+        multiply_add<M>(codes8_low(v), xq, 2 * c, dots, 0);
+        multiply_add<M>(codes8_high(v), xq, 2 * c + 1, dots, 0);
+      }
+    } else {
+      dots4<K, M>(chunks, chunks + l.codes, xq, dots);
+    }
+    scale_block<K, M>(x, m0, b, scale, zero, dots, acc);
+  }
+  store_group<M>(w, g, m0, acc, y, y_stride);
+}
+
+template <Codes K>
+RADIXLM_AVX2 void groups(const QuantizedActivations& x, const TileStream& w, int64_t g0, int64_t g1, float* y,
+                         int64_t y_stride) {
   for (int64_t g = g0; g < g1; ++g) {  // a group's tiles (a few KB) stay in L1 across the activation rows
     int64_t m = 0;
-    for (; m + 4 <= x.rows; m += 4) group_rows<Bits, Group, 4>(x, w, m, g, y);
+    for (; m + 4 <= x.rows; m += 4) group_rows<K, 4>(x, w, m, g, y, y_stride);
     switch (x.rows - m) {
-      case 3: group_rows<Bits, Group, 3>(x, w, m, g, y); break;
-      case 2: group_rows<Bits, Group, 2>(x, w, m, g, y); break;
-      case 1: group_rows<Bits, Group, 1>(x, w, m, g, y); break;
+      case 3: group_rows<K, 3>(x, w, m, g, y, y_stride); break;
+      case 2: group_rows<K, 2>(x, w, m, g, y, y_stride); break;
+      case 1: group_rows<K, 1>(x, w, m, g, y, y_stride); break;
       default: break;
     }
   }
@@ -79,18 +93,25 @@ RADIXLM_AVX2 void groups(const QuantizedActivations& x, const TiledMatrix& w, in
 
 }  // namespace
 
-void matmul_groups_avx2(const QuantizedActivations& x, const TiledMatrix& w, int64_t g0, int64_t g1, float* y) {
-  if (w.bits == 4)
-    groups<4, 32>(x, w, g0, g1, y);
-  else if (w.group == 16)
-    groups<8, 16>(x, w, g0, g1, y);
-  else
-    groups<8, 32>(x, w, g0, g1, y);
+void matmul_stream_avx2(const QuantizedActivations& x, const TileStream& w, int64_t g0, int64_t g1, float* y,
+                        int64_t y_stride) {
+  switch (w.kind) {
+    case Codes::u4: return groups<Codes::u4>(x, w, g0, g1, y, y_stride);
+    case Codes::s4: return groups<Codes::s4>(x, w, g0, g1, y, y_stride);
+    case Codes::s8: return groups<Codes::s8>(x, w, g0, g1, y, y_stride);
+    case Codes::k4: return groups<Codes::k4>(x, w, g0, g1, y, y_stride);
+    case Codes::k5: return groups<Codes::k5>(x, w, g0, g1, y, y_stride);
+    case Codes::k6: return groups<Codes::k6>(x, w, g0, g1, y, y_stride);
+    case Codes::f4: return groups<Codes::f4>(x, w, g0, g1, y, y_stride);
+  }
 }
 
 RADIXLM_AVX2 void quantize_rows_avx2(const float* x, int64_t rows, int64_t cols, int16_t* q, float* d, float* sum) {
   const int64_t nb = cols / kBlock;
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  // int16 elements 0, 2, 1, 3 of every 4 (pair order), within each 128-bit lane
+  const __m256i to_pairs = _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15, 0, 1, 4, 5, 2, 3, 6, 7,
+                                            8, 9, 12, 13, 10, 11, 14, 15);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + r * cols + b * kBlock;
@@ -113,11 +134,11 @@ RADIXLM_AVX2 void quantize_rows_avx2(const float* x, int64_t rows, int64_t cols,
         ints[i] = _mm256_cvtps_epi32(rounded);
         total = _mm256_add_epi32(total, ints[i]);
       }
-      // int32 -> int16 in column order (packs interleave 128-bit lanes: put them back)
+      // int32 -> int16 in column order (packs interleave 128-bit lanes: put them back), then pair order
       int16_t* dst = q + r * cols + b * kBlock;
       for (int h = 0; h < 2; ++h) {
-        const __m256i packed = _mm256_packs_epi32(ints[2 * h], ints[2 * h + 1]);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * h), _mm256_permute4x64_epi64(packed, 0xD8));
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(ints[2 * h], ints[2 * h + 1]), 0xD8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * h), _mm256_shuffle_epi8(packed, to_pairs));
       }
       __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
       t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));

@@ -1,16 +1,15 @@
 // The AVX-512 path of the quantized matmul (F, BW, VL and VNNI: Intel from Cascade Lake, AMD from
 // Zen 4). Bitwise the portable path's results: the integer dots are exact whatever the order they
 // are summed in, and the floating-point part is the AVX2 path's, the same multiply-adds in the
-// same order. Built by target attributes, like the AVX2 file; runs only where cpuid found all four.
+// same order at 16 lanes. Built by target attributes, like the AVX2 file; runs only where cpuid
+// found all four.
 //
-// A 512-bit register holds two 32-byte code chunks of a tile (8 rows x 4 column pairs each); the
-// activations' pairs for the two halves come from a table made once per call (`Spread`): for each
-// block, 8 vectors of 16 32-bit lanes, the low 8 lanes one pair broadcast, the high 8 the pair the
-// upper chunk needs. One VNNI multiply-add (vpdpwssd) then sums two column pairs of 8 rows, where
-// AVX2 took a multiply-add and an add for one; the two halves are added once a block.
+// A 512-bit register holds one chunk of two row groups' tiles (16 rows, a lane each), so an
+// activation pair is a plain broadcast (folded into the multiply-add) and one VNNI multiply-add
+// (vpdpwssd) sums two columns of 16 rows. Two tile streams are read side by side; a matrix with
+// an odd number of groups runs its last one in the low half alone.
 #include <algorithm>
 #include <cstring>
-#include <vector>
 
 #include "avx2.h"
 #include "common.h"
@@ -21,113 +20,144 @@
 namespace radixlm {
 namespace {
 
-constexpr int kSpread = 8;  // table vectors per block: 4-bit (2 chunk pairs x 4 nibbles), 8-bit (4 x 2 bytes)
+RADIXLM_AVX512 inline __m512i join(__m256i low, __m256i high) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+}
 
-// The activation column pair a table vector carries in its low (chunk 2c) and high (chunk 2c + 1) half.
-inline void spread_pairs(int bits, int e, int* low, int* high) {
-  if (bits == 4) {  // e = 4c + k: chunk j covers pairs 4j + k
-    const int c = e / 4, k = e % 4;
-    *low = 4 * (2 * c) + k;
-    *high = 4 * (2 * c + 1) + k;
-  } else {  // e = 2c + s: chunk j's low bytes are pair 2j, its high bytes pair 2j + 1
-    const int c = e / 2, s = e % 2;
-    *low = 2 * (2 * c) + s;
-    *high = 2 * (2 * c + 1) + s;
+RADIXLM_AVX512 inline __m512 join(__m256 low, __m256 high) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(low)), _mm256_castps_pd(high), 1));
+}
+
+// 32 bytes at a and at b (b null: zeros) as one register
+RADIXLM_AVX512 inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
+  const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+  return join(low, b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)) : _mm256_setzero_si256());
+}
+
+template <int N>
+RADIXLM_AVX512 inline __m512i shift32(__m512i v) {
+  if constexpr (N > 0) return _mm512_srli_epi32(v, N);
+  else if constexpr (N < 0) return _mm512_slli_epi32(v, -N);
+  else return v;
+}
+
+// quant_tile.h's codes4 at 16 lanes: pair pair4(T, k)'s codes of both groups' chunk T
+template <Codes K, int T, int k>
+RADIXLM_AVX512 inline __m512i codes4(__m512i v, const __m512i (&high)[2]) {
+  constexpr int q = pair4(T, k);
+  if constexpr (K == Codes::f4) {
+    const __m512i at_high = k < 2 ? _mm512_slli_epi16(v, 8 - 4 * k) : k == 2 ? v : _mm512_srli_epi16(v, 4);
+    const __m512i index = _mm512_and_si512(at_high, _mm512_set1_epi16(0x0F00));
+    const __m512i table = _mm512_broadcast_i64x4(e2m1_table());
+    return _mm512_srai_epi16(_mm512_shuffle_epi8(table, index), 8);
+  } else {
+    __m512i c = k == 0 ? v : _mm512_srli_epi16(v, 4 * k);
+    if (k != 3) c = _mm512_and_si512(c, _mm512_set1_epi16(0x0F));
+    if constexpr (K == Codes::s4) c = _mm512_sub_epi16(c, _mm512_set1_epi16(8));
+    if constexpr (K == Codes::k5)
+      c = _mm512_or_si512(c, _mm512_and_si512(shift32<q - 4>(high[0]), _mm512_set1_epi32(0x00100010)));
+    if constexpr (K == Codes::k6) {
+      c = _mm512_or_si512(c, _mm512_and_si512(shift32<2 * (q % 8) - 4>(high[q / 8]), _mm512_set1_epi32(0x00300030)));
+      c = _mm512_sub_epi16(c, _mm512_set1_epi16(32));
+    }
+    return c;
   }
 }
 
-// Plain int32 storage, read and written with unaligned loads and stores only: a vector of
-// __m512i would lose the type's 64-byte alignment (GCC drops vector attributes on template
-// arguments), and an aligned store into it faults.
-struct Spread {
-  std::vector<int32_t> v;  // [rows, blocks, kSpread, 16]
-  int64_t blocks = 0;
-  const int32_t* at(int64_t m, int64_t b) const { return v.data() + (m * blocks + b) * kSpread * 16; }
-};
+template <int M>
+RADIXLM_AVX512 inline void multiply_add(__m512i codes, const int16_t* const (&xq)[M], int q, __m512i (&dots)[M][2],
+                                        int h) {
+  for (int i = 0; i < M; ++i) {
+    int32_t v;
+    std::memcpy(&v, xq[i] + 2 * q, sizeof v);
+    dots[i][h] = _mm512_dpwssd_epi32(dots[i][h], codes, _mm512_set1_epi32(v));
+  }
+}
 
-RADIXLM_AVX512 void make_spread(const QuantizedActivations& x, int bits, Spread& s) {
-  s.blocks = x.blocks();
-  s.v.resize(size_t(x.rows * s.blocks * kSpread * 16));
-  for (int64_t m = 0; m < x.rows; ++m)
-    for (int64_t b = 0; b < s.blocks; ++b) {
-      const int16_t* xq = x.q + m * x.cols + b * kBlock;
-      int32_t* dst = s.v.data() + (m * s.blocks + b) * kSpread * 16;
-      for (int e = 0; e < kSpread; ++e) {
-        int low, high;
-        spread_pairs(bits, e, &low, &high);
-        int32_t lo, hi;
-        std::memcpy(&lo, xq + 2 * low, sizeof lo);
-        std::memcpy(&hi, xq + 2 * high, sizeof hi);
-        _mm512_storeu_si512(dst + 16 * e,
-                            _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(lo)), _mm256_set1_epi32(hi), 1));
+template <Codes K, int M, int T = 0>
+RADIXLM_AVX512 inline void dots4(const uint8_t* a, const uint8_t* b, const __m512i (&high)[2],
+                                 const int16_t* const (&xq)[M], __m512i (&dots)[M][2]) {
+  const __m512i v = load_pair(a + 32 * T, b ? b + 32 * T : nullptr);
+  multiply_add<M>(codes4<K, T, 0>(v, high), xq, pair4(T, 0), dots, 0);
+  multiply_add<M>(codes4<K, T, 2>(v, high), xq, pair4(T, 2), dots, 0);
+  multiply_add<M>(codes4<K, T, 1>(v, high), xq, pair4(T, 1), dots, halves(K) - 1);  // columns 16..31
+  multiply_add<M>(codes4<K, T, 3>(v, high), xq, pair4(T, 3), dots, halves(K) - 1);
+  if constexpr (T < 3) dots4<K, M, T + 1>(a, b, high, xq, dots);
+}
+
+// Activation rows m0 .. m0 + M against row groups g and g + 1 (`pair`; else g alone).
+template <Codes K, int M>
+RADIXLM_AVX512 void groups_rows(const QuantizedActivations& x, const TileStream& w, int64_t m0, int64_t g, bool pair,
+                                float* y, int64_t y_stride) {
+  const Layout& l = w.layout;
+  const int64_t nb = x.blocks();
+  __m512 acc[M];
+  for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
+  const uint8_t* pa = w.group(g);
+  const uint8_t* pb = pair ? w.group(g + 1) : nullptr;
+  KHeader ha{}, hb{};
+  const int64_t tile = l.tile();
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    if (is_k(K) && b % kSuperBlocks == 0) {
+      ha = k_header<K>(pa);
+      pa += l.header;
+      if (pair) {
+        hb = k_header<K>(pb);
+        pb += l.header;
       }
     }
-}
-
-RADIXLM_AVX512 inline __m512i spread_at(const int32_t* xs, int e) { return _mm512_loadu_si512(xs + 16 * e); }
-
-RADIXLM_AVX512 inline __m256i halves_added(__m512i v) {
-  return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
-}
-
-template <int Bits, int Group, int M>
-RADIXLM_AVX512 void group_rows(const QuantizedActivations& x, const Spread& spread, const TiledMatrix& w, int64_t m0,
-                               int64_t g, float* y) {
-  constexpr int Halves = Group == 16 ? 2 : 1;
-  const int64_t nb = w.blocks(), tile = w.tile_bytes(), code_at = w.scale_bytes() + w.zero_bytes();
-  const __m512i nibble = _mm512_set1_epi16(0x0F);
-  __m256 acc[M], zacc[M];
-  for (int i = 0; i < M; ++i) acc[i] = zacc[i] = _mm256_setzero_ps();
-  const uint8_t* t = w.tiles + g * nb * tile;
-  for (int64_t b = 0; b < nb; ++b, t += tile) {
-    const uint8_t* chunks = t + code_at;
-    __m256i dots[M][Halves];
-    if constexpr (Bits == 4) {
-      __m512i d512[M];
-      for (int i = 0; i < M; ++i) d512[i] = _mm512_setzero_si512();
-      for (int c = 0; c < 2; ++c) {
-        const __m512i v = _mm512_loadu_si512(chunks + 64 * c);
-        const __m512i codes[4] = {_mm512_and_si512(v, nibble), _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble),
-                                  _mm512_and_si512(_mm512_srli_epi16(v, 8), nibble), _mm512_srli_epi16(v, 12)};
-        for (int i = 0; i < M; ++i) {
-          const int32_t* xs = spread.at(m0 + i, b);
-          for (int k = 0; k < 4; ++k) d512[i] = _mm512_dpwssd_epi32(d512[i], codes[k], spread_at(xs, 4 * c + k));
-        }
+    __m256 sa[2], sb[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, za = _mm256_setzero_ps(), zb = za;
+    tile_scales<K>(w, ha, pa, sa, za);
+    if (pair) tile_scales<K>(w, hb, pb, sb, zb);
+    const __m512 scale[2] = {join(sa[0], sb[0]), join(sa[1], sb[1])}, zero = join(za, zb);
+    const uint8_t* ca = pa + l.scales + l.zeros;
+    const uint8_t* cb = pair ? pb + l.scales + l.zeros : nullptr;
+    const int16_t* xq[M];
+    for (int i = 0; i < M; ++i) xq[i] = x.q + (m0 + i) * x.cols + b * kBlock;
+    __m512i dots[M][2];
+    for (int i = 0; i < M; ++i) dots[i][0] = dots[i][1] = _mm512_setzero_si512();
+    if constexpr (K == Codes::s8) {
+      for (int c = 0; c < 8; ++c) {
+        const __m512i v = load_pair(ca + 32 * c, cb ? cb + 32 * c : nullptr);
+        multiply_add<M>(_mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8), xq, 2 * c, dots, 0);
+        multiply_add<M>(_mm512_srai_epi16(v, 8), xq, 2 * c + 1, dots, 0);
       }
-      for (int i = 0; i < M; ++i) dots[i][0] = halves_added(d512[i]);
     } else {
-      __m512i d512[M][Halves];
-      for (int i = 0; i < M; ++i)
-        for (int h = 0; h < Halves; ++h) d512[i][h] = _mm512_setzero_si512();
-      for (int c = 0; c < 4; ++c) {  // chunks 2c and 2c + 1: columns 16 (c / 2) .. in groups of 16
-        const __m512i v = _mm512_loadu_si512(chunks + 64 * c);
-        const __m512i low = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8), high = _mm512_srai_epi16(v, 8);
-        const int h = Halves == 2 ? c / 2 : 0;
-        for (int i = 0; i < M; ++i) {
-          const int32_t* xs = spread.at(m0 + i, b);
-          d512[i][h] = _mm512_dpwssd_epi32(d512[i][h], low, spread_at(xs, 2 * c));
-          d512[i][h] = _mm512_dpwssd_epi32(d512[i][h], high, spread_at(xs, 2 * c + 1));
-        }
-      }
-      for (int i = 0; i < M; ++i)
-        for (int h = 0; h < Halves; ++h) dots[i][h] = halves_added(d512[i][h]);
+      __m512i high[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+      if constexpr (K == Codes::k5 || K == Codes::k6)
+        for (int p = 0; p < (K == Codes::k6 ? 2 : 1); ++p)
+          high[p] = load_pair(ca + l.codes + 32 * p, cb ? cb + l.codes + 32 * p : nullptr);
+      dots4<K, M>(ca, cb, high, xq, dots);
     }
-    scale_block<Halves, M>(x, w, t, m0, b, dots, acc, zacc);
+    for (int i = 0; i < M; ++i) {  // quant_tile.h's scale_block at 16 lanes
+      const __m512 d = _mm512_set1_ps(x.d[(m0 + i) * nb + b]);
+      if constexpr (has_zero(K)) {
+        const __m512 z = _mm512_mul_ps(zero, _mm512_set1_ps(x.sum[(m0 + i) * nb + b]));
+        acc[i] = _mm512_add_ps(acc[i], _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[i][0]), _mm512_mul_ps(scale[0], d), z));
+      } else {
+        for (int h = 0; h < halves(K); ++h)
+          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[i][h]), _mm512_mul_ps(scale[h], d), acc[i]);
+      }
+    }
+    pa += tile;
+    if (pair) pb += tile;
   }
-  store_group<M>(w, g, m0, acc, zacc, y);
+  const int64_t first = g * kTileRows, valid = std::min<int64_t>(pair ? 2 * kTileRows : kTileRows, w.rows - first);
+  const __mmask16 keep = valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
+  for (int i = 0; i < M; ++i) _mm512_mask_storeu_ps(y + (m0 + i) * y_stride + first, keep, acc[i]);
 }
 
-template <int Bits, int Group>
-RADIXLM_AVX512 void groups(const QuantizedActivations& x, const TiledMatrix& w, int64_t g0, int64_t g1, float* y) {
-  thread_local Spread spread;  // one table a call, reused across the calls of this thread
-  make_spread(x, Bits, spread);
-  for (int64_t g = g0; g < g1; ++g) {
+template <Codes K>
+RADIXLM_AVX512 void groups(const QuantizedActivations& x, const TileStream& w, int64_t g0, int64_t g1, float* y,
+                           int64_t y_stride) {
+  for (int64_t g = g0; g < g1; g += 2) {  // two groups' tiles (a few KB) stay in L1 across the activation rows
+    const bool pair = g + 1 < g1;
     int64_t m = 0;
-    for (; m + 4 <= x.rows; m += 4) group_rows<Bits, Group, 4>(x, spread, w, m, g, y);
+    for (; m + 4 <= x.rows; m += 4) groups_rows<K, 4>(x, w, m, g, pair, y, y_stride);
     switch (x.rows - m) {
-      case 3: group_rows<Bits, Group, 3>(x, spread, w, m, g, y); break;
-      case 2: group_rows<Bits, Group, 2>(x, spread, w, m, g, y); break;
-      case 1: group_rows<Bits, Group, 1>(x, spread, w, m, g, y); break;
+      case 3: groups_rows<K, 3>(x, w, m, g, pair, y, y_stride); break;
+      case 2: groups_rows<K, 2>(x, w, m, g, pair, y, y_stride); break;
+      case 1: groups_rows<K, 1>(x, w, m, g, pair, y, y_stride); break;
       default: break;
     }
   }
@@ -135,13 +165,17 @@ RADIXLM_AVX512 void groups(const QuantizedActivations& x, const TiledMatrix& w, 
 
 }  // namespace
 
-void matmul_groups_avx512(const QuantizedActivations& x, const TiledMatrix& w, int64_t g0, int64_t g1, float* y) {
-  if (w.bits == 4)
-    groups<4, 32>(x, w, g0, g1, y);
-  else if (w.group == 16)
-    groups<8, 16>(x, w, g0, g1, y);
-  else
-    groups<8, 32>(x, w, g0, g1, y);
+void matmul_stream_avx512(const QuantizedActivations& x, const TileStream& w, int64_t g0, int64_t g1, float* y,
+                          int64_t y_stride) {
+  switch (w.kind) {
+    case Codes::u4: return groups<Codes::u4>(x, w, g0, g1, y, y_stride);
+    case Codes::s4: return groups<Codes::s4>(x, w, g0, g1, y, y_stride);
+    case Codes::s8: return groups<Codes::s8>(x, w, g0, g1, y, y_stride);
+    case Codes::k4: return groups<Codes::k4>(x, w, g0, g1, y, y_stride);
+    case Codes::k5: return groups<Codes::k5>(x, w, g0, g1, y, y_stride);
+    case Codes::k6: return groups<Codes::k6>(x, w, g0, g1, y, y_stride);
+    case Codes::f4: return groups<Codes::f4>(x, w, g0, g1, y, y_stride);
+  }
 }
 
 }  // namespace radixlm

@@ -1,10 +1,12 @@
 // The portable path of the quantized matmul: plain C++, the reference every vectorized path is
-// tested against. Each output's blocks are exact integer dots, each scaled and added into one
-// accumulator in block order (the zero points' terms into another), as the vector paths do, so
-// the paths agree bit for bit: the build forbids a compiler's own fused multiply-adds
-// (-ffp-contract=off).
+// tested against. A tile is read back into integer codes and fp32 scales (`decode_tile`, the one
+// reading of tiles.h's layout in scalar code); each output's blocks are exact integer dots, each
+// scaled into one accumulator in block order as the vector paths do, so the paths agree bit for
+// bit: the build forbids a compiler's own fused multiply-adds (-ffp-contract=off).
 #include <cmath>
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "common.h"
 
@@ -46,7 +48,7 @@ void quantize_rows_portable(const float* x, int64_t rows, int64_t cols, int16_t*
       int32_t total = 0;
       for (int i = 0; i < kBlock; ++i) {
         const int32_t v = int32_t(std::nearbyint(xb[i] * inv));
-        q[r * cols + b * kBlock + i] = int16_t(v);
+        q[r * cols + b * kBlock + pair_order(i)] = int16_t(v);
         total += v;
       }
       d[r * nb + b] = scale;
@@ -57,86 +59,151 @@ void quantize_rows_portable(const float* x, int64_t rows, int64_t cols, int16_t*
 
 namespace {
 
-float value_at(const uint8_t* p, int64_t i, bool half) {
-  if (half) {
-    uint16_t h;
-    std::memcpy(&h, p + 2 * i, 2);
-    return half_to_float(h);
-  }
+uint16_t u16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return h;
+}
+
+uint32_t u32_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+float value_at(const uint8_t* p, int64_t i, bool wide) {
+  if (!wide) return half_to_float(u16_at(p + 2 * i));
   float f;
   std::memcpy(&f, p + 4 * i, 4);
   return f;
 }
 
-// One tile's codes as integers, codes[row][column] (the layout in common.h).
-void tile_codes(const TiledMatrix& w, const uint8_t* chunks, int32_t codes[kTileRows][kBlock]) {
-  for (int i = 0; i < 16; ++i) {
-    const int r = i / 2, e = i % 2;
-    if (w.bits == 4) {
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t word = uint32_t(chunks[32 * j + 2 * i]) | (uint32_t(chunks[32 * j + 2 * i + 1]) << 8);
-        for (int k = 0; k < 4; ++k) codes[r][2 * (4 * j + k) + e] = int32_t((word >> (4 * k)) & 15);
-      }
-    } else {
-      for (int j = 0; j < 8; ++j)
-        for (int h = 0; h < 2; ++h) codes[r][2 * (2 * j + h) + e] = int8_t(chunks[32 * j + 2 * i + h]);
-    }
-  }
-}
+// 2^(e - 128), exactly (e = 0, 1: subnormal)
+float e8m0_half(uint8_t e) { return std::ldexp(1.0f, int(e) - 128); }
 
-int32_t dot(const int32_t* codes, const int16_t* x, int n) {
-  int32_t total = 0;
-  for (int c = 0; c < n; ++c) total += codes[c] * int32_t(x[c]);
-  return total;
-}
+// The first and second column of pair q of a block (tiles.h).
+int pair_column(int q, int second) { return 4 * (q / 2) + q % 2 + 2 * second; }
 
 }  // namespace
 
+void decode_tile(const TileStream& w, int64_t g, int64_t b, int32_t codes[kTileRows][kBlock], float scale[2][kTileRows],
+                 float zero[kTileRows]) {
+  const uint8_t* gp = w.group(g);
+  const uint8_t* t = w.tile(gp, b);
+  const uint8_t* head = w.header(gp, b);
+  const Layout& l = w.layout;
+  const uint8_t* chunks = t + l.scales + l.zeros;
+  const uint8_t* high = chunks + l.codes;
+  for (int r = 0; r < kTileRows; ++r) {
+    zero[r] = 0.0f;
+    scale[1][r] = 0.0f;
+    switch (w.kind) {
+      case Codes::u4:
+        zero[r] = value_at(t + l.scales, r, w.wide);
+        [[fallthrough]];
+      case Codes::s4:
+      case Codes::s8:
+        scale[0][r] = value_at(t, r, w.wide);
+        break;
+      case Codes::k4:
+      case Codes::k5: {
+        const float d = half_to_float(u16_at(head + 2 * r)), dmin = half_to_float(u16_at(head + 16 + 2 * r));
+        scale[0][r] = d * float(t[r]);
+        zero[r] = -(dmin * float(t[8 + r]));
+        break;
+      }
+      case Codes::k6: {
+        const float d = half_to_float(u16_at(head + 2 * r));
+        for (int h = 0; h < 2; ++h) scale[h][r] = d * float(int8_t(t[h * kTileRows + r]));
+        break;
+      }
+      case Codes::f4:
+        scale[0][r] = e8m0_half(t[r]);
+        break;
+    }
+    if (w.kind == Codes::s8) {
+      for (int c = 0; c < kBlock; ++c) codes[r][c] = int8_t(chunks[32 * (c / 4) + 4 * r + c % 4]);
+      continue;
+    }
+    for (int j = 0; j < 16; ++j) {  // block byte j: column j's low bits, then column j + 16's
+      const uint8_t byte = chunks[32 * (j / 4) + 4 * r + j % 4];
+      codes[r][j] = byte & 15;
+      codes[r][j + 16] = byte >> 4;
+    }
+    if (w.kind == Codes::k5) {
+      const uint32_t bits = u32_at(high + 4 * r);
+      for (int q = 0; q < 16; ++q)
+        for (int second = 0; second < 2; ++second)
+          codes[r][pair_column(q, second)] |= int32_t((bits >> (16 * second + q)) & 1) << 4;
+    } else if (w.kind == Codes::k6) {
+      for (int q = 0; q < 16; ++q) {
+        const uint32_t bits = u32_at(high + 32 * (q / 8) + 4 * r);
+        for (int second = 0; second < 2; ++second)
+          codes[r][pair_column(q, second)] |= int32_t((bits >> (16 * second + 2 * (q % 8))) & 3) << 4;
+      }
+    }
+    static constexpr int8_t kE2M1Twice[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+    for (int c = 0; c < kBlock; ++c) {
+      if (w.kind == Codes::s4) codes[r][c] -= 8;
+      if (w.kind == Codes::k6) codes[r][c] -= 32;
+      if (w.kind == Codes::f4) codes[r][c] = kE2M1Twice[codes[r][c]];
+    }
+  }
+}
+
 void dequantize_rows(const TiledMatrix& w, const int64_t* ids, int64_t n, float* out) {
-  const int64_t nb = w.blocks(), tile = w.tile_bytes();
+  const int64_t nb = w.blocks();
   int32_t codes[kTileRows][kBlock];
+  float scale[2][kTileRows], zero[kTileRows];
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t g = ids[i] / kTileRows, r = ids[i] % kTileRows;
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* t = w.tiles + (g * nb + b) * tile;
-      tile_codes(w, t + w.scale_bytes() + w.zero_bytes(), codes);
-      const float zero = w.zero ? value_at(t + w.scale_bytes(), r, w.half) : 0.0f;
-      for (int c = 0; c < kBlock; ++c) {
-        const float scale = value_at(t, (w.group == 16 ? c / 16 : 0) * kTileRows + r, w.half);
-        const float v = float(codes[r][c]) * scale;
-        out[i * w.cols + b * kBlock + c] = w.zero ? v + zero : v;
+    float* dst = out + i * w.cols;
+    std::memset(dst, 0, sizeof(float) * w.cols);
+    for (const Segment& s : w.segments) {
+      if (ids[i] < s.row0 || ids[i] >= s.row0 + s.rows) continue;
+      const TileStream ts(w.data, s, w.cols);
+      const int64_t g = (ids[i] - s.row0) / kTileRows, r = (ids[i] - s.row0) % kTileRows;
+      const bool zeroed = has_zero(s.kind);
+      for (int64_t b = 0; b < nb; ++b) {
+        decode_tile(ts, g, b, codes, scale, zero);
+        for (int c = 0; c < kBlock; ++c) {
+          const float v = float(codes[r][c]) * scale[c / 16 * (halves(s.kind) - 1)][r];
+          dst[b * kBlock + c] = zeroed ? v + zero[r] : v;
+        }
       }
     }
   }
 }
 
-void matmul_groups_portable(const QuantizedActivations& x, const TiledMatrix& w, int64_t g0, int64_t g1, float* y) {
-  const int64_t nb = w.blocks(), tile = w.tile_bytes();
+void matmul_stream_portable(const QuantizedActivations& x, const TileStream& w, int64_t g0, int64_t g1, float* y,
+                            int64_t y_stride) {
+  const int64_t nb = w.blocks;
+  const bool zeroed = has_zero(w.kind);
+  const int split = halves(w.kind) == 2 ? 16 : kBlock;
   int32_t codes[kTileRows][kBlock];
+  float scale[2][kTileRows], zero[kTileRows];
+  std::vector<float> acc(x.rows * kTileRows);
   for (int64_t g = g0; g < g1; ++g) {
-    for (int64_t m = 0; m < x.rows; ++m) {
-      const int16_t* xq = x.q + m * x.cols;
-      float acc[kTileRows] = {}, zacc[kTileRows] = {};
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* t = w.tiles + (g * nb + b) * tile;
-        tile_codes(w, t + w.scale_bytes() + w.zero_bytes(), codes);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t b = 0; b < nb; ++b) {
+      decode_tile(w, g, b, codes, scale, zero);
+      for (int64_t m = 0; m < x.rows; ++m) {
+        const int16_t* xq = x.q + m * x.cols + b * kBlock;
         const float d = x.d[m * nb + b];
         for (int r = 0; r < kTileRows; ++r) {
-          if (w.group == 16) {  // each half of the block its own scale, the first half's first
-            for (int h = 0; h < 2; ++h) {
-              const float sd = value_at(t, h * kTileRows + r, w.half) * d;
-              acc[r] = std::fma(float(dot(codes[r] + 16 * h, xq + b * kBlock + 16 * h, 16)), sd, acc[r]);
-            }
+          int32_t dots[2] = {0, 0};
+          for (int c = 0; c < kBlock; ++c) dots[c / split] += codes[r][c] * int32_t(xq[pair_order(c)]);
+          float& a = acc[m * kTileRows + r];
+          if (zeroed) {  // the block's code and zero-point terms in one fused multiply-add, then added
+            a = a + std::fma(float(dots[0]), scale[0][r] * d, zero[r] * x.sum[m * nb + b]);
           } else {
-            const float sd = value_at(t, r, w.half) * d;
-            acc[r] = std::fma(float(dot(codes[r], xq + b * kBlock, kBlock)), sd, acc[r]);
+            for (int h = 0; h < kBlock / split; ++h) a = std::fma(float(dots[h]), scale[h][r] * d, a);
           }
-          if (w.zero) zacc[r] = std::fma(value_at(t + w.scale_bytes(), r, w.half), x.sum[m * nb + b], zacc[r]);
         }
       }
-      for (int r = 0; r < kTileRows && g * kTileRows + r < w.rows; ++r)
-        y[m * w.rows + g * kTileRows + r] = w.zero ? acc[r] + zacc[r] : acc[r];
     }
+    for (int64_t m = 0; m < x.rows; ++m)
+      for (int r = 0; r < kTileRows && g * kTileRows + r < w.rows; ++r)
+        y[m * y_stride + g * kTileRows + r] = acc[m * kTileRows + r];
   }
 }
 

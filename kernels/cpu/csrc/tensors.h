@@ -46,9 +46,9 @@ namespace radixlm {
 
 void check_rows(const at::Tensor& x, const char* what);  // contiguous 2-D float32 on the CPU
 
-// tiles [ceil(rows / 8), cols / 32, tile bytes] uint8, laid out as common.h says
-TiledMatrix tiled_matrix(const at::Tensor& tiles, int64_t rows, int64_t cols, int64_t bits, int64_t group, bool half,
-                         bool zero);
+// tiles (uint8, laid out as tiles.h says) and their segments (int64 [n, 5]: row0, rows, offset,
+// kind, wide), every segment inside the tiles and the segments covering the rows in order
+TiledMatrix tiled_matrix(const at::Tensor& tiles, const at::Tensor& segments, int64_t rows, int64_t cols);
 
 void check_pool(const at::Tensor& pool, int64_t kv_heads, int64_t head_dim, const char* what);
 void check_index(const at::Tensor& t, int64_t n, const char* what);

@@ -29,6 +29,8 @@ from radixlm.runtime.worker.layers import (
     VocabParallelEmbedding,
     _param,
     activation,
+    gathers,
+    materialize,
 )
 from radixlm.runtime.model_config import ModelConfig
 from radixlm.runtime.worker.loader import Weight
@@ -217,7 +219,9 @@ class LlamaForCausalLM(nn.Module):
             target, shard = self._target(name)
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            param = params[target]
+            owner, attr = target.rsplit(".", 1)
+            module = self.get_submodule(owner)
+            param = params[target] if gathers(module, attr) else materialize(module, attr)
             if shard is None:  # the checkpoint fuses the blocks (Phi-3): each block from its own rows
                 start = 0
                 for shard, size in enumerate(self.get_submodule(target.rsplit(".", 1)[0]).checkpoint_sizes):
