@@ -1,9 +1,9 @@
 """Every process the runtime starts, and how: the one place.
 
-Parent side: `launch_processes` spawns the process group (the tokenizer process, the scheduler
-process, this machine's tensor-parallel followers) and waits until each reports ready;
-`serve` (`radixlm serve`) runs that group with the HTTP server in front, which is only a client
-of it; `run_router` (`radixlm router`) starts replica servers and the router in front of them.
+Parent side: `start_processes` spawns the process group (the tokenizer process, the scheduler
+process, this machine's tensor-parallel followers), `RuntimeProcesses.wait_ready` waits until
+each reports ready (`launch_processes`: both); `serve` (`radixlm serve`) runs that group with
+the HTTP server in front, which is only a client of it; `run_router` (`radixlm router`) starts replica servers and the router in front of them.
 Child side: `run_child` is every child's entry point (SIGINT left to the parent, killed with
 the parent, logging, its start-up object built, readiness or the start-up error reported, then
 its loop). A child's start-up object is a class with `ready_info()` and `run_forever()`:
@@ -13,8 +13,10 @@ its loop). A child's start-up object is a class with `ready_info()` and `run_for
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import gc
+import importlib
 import logging
 import multiprocessing as mp
 import shutil
@@ -25,11 +27,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from radixlm.runtime import ipc
 from radixlm.runtime.args import ServerArgs
-from radixlm.runtime.utils import trim_heap
 
 log = logging.getLogger("radixlm.launch")
 
@@ -51,7 +52,8 @@ class RuntimeProcesses:
     client_address: str
     ipc_dir: str
     processes: dict[str, mp.process.BaseProcess]
-    info: dict[str, Any] = field(default_factory=dict)  # what the scheduler reported when ready
+    info: dict[str, Any] = field(default_factory=dict)  # what the children reported when ready
+    starting: dict[str, Connection] = field(default_factory=dict)  # children yet to report: their pipes
 
     def dead_process(self) -> str | None:
         """The name and exit code of a child that stopped, if any."""
@@ -59,6 +61,18 @@ class RuntimeProcesses:
             if not proc.is_alive():
                 return f"{name} process (pid {proc.pid}) exited with code {proc.exitcode}"
         return None
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        """Block until every child reported that it is ready; on any failure stop them all and raise."""
+        try:
+            for name, reader in list(self.starting.items()):
+                report = _wait_ready(name, reader, self.processes[name], timeout, self)
+                self.info.update({k: v for k, v in report.items() if k != "ok"})
+                del self.starting[name]
+        except BaseException:
+            self.shutdown()
+            raise
+        log.info("runtime ready: %s", self.info)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         for proc in self.processes.values():
@@ -73,52 +87,55 @@ class RuntimeProcesses:
 
 
 def launch_processes(args: ServerArgs, start_timeout: float = 600.0) -> RuntimeProcesses:
-    """Spawn the tokenizer and scheduler processes (and this machine's other tensor-parallel ranks)
-    and wait until all are ready. On a node other than 0, only its tensor-parallel ranks run."""
-    from radixlm.runtime.scheduler.process import SchedulerProcess
-    from radixlm.runtime.tokenizer.manager import TokenizerManager
-    from radixlm.runtime.worker.tp_worker import Follower
+    """Spawn the process group (`start_processes`) and wait until all are ready."""
+    group = start_processes(args)
+    group.wait_ready(start_timeout)
+    return group
 
+
+def start_processes(args: ServerArgs) -> RuntimeProcesses:
+    """Spawn the tokenizer and scheduler processes (and this machine's other tensor-parallel ranks)
+    without waiting for them (`RuntimeProcesses.wait_ready`). On a node other than 0, only its
+    tensor-parallel ranks run. Each child's start-up class is named, not imported, here: the
+    parent (the HTTP server's process) never imports the scheduler's and workers' modules, nor so
+    torch, and the children start before it imports anything more."""
     ctx = mp.get_context("spawn")  # fork after torch or zmq initialised is unsafe
     if args.tp_size > 1 and not args.dist_init_addr:
         args = dataclasses.replace(args, dist_init_addr=f"127.0.0.1:{free_port()}")
     ipc_dir = ipc.private_ipc_dir()
     client, to_sched, from_sched = (ipc.endpoint(ipc_dir, n) for n in ("clients", "to-scheduler", "from-scheduler"))
-    followers = [rank for rank in args.local_ranks if rank > 0]
-    names = (["tokenizer", "scheduler"] if args.node_rank == 0 else []) + [f"tp-rank-{r}" for r in followers]
-    pipes = {name: ctx.Pipe(duplex=False) for name in names}
-    # name -> (process title, start-up class, its arguments)
-    children: dict[str, tuple[str, type, tuple]] = {f"tp-rank-{r}": (f"radixlm-tp{r}", Follower, (args, r))
-                                                    for r in followers}
+    # name -> (process title, start-up class as "module:Class", its arguments)
+    children: dict[str, tuple[str, str, tuple]] = {}
     if args.node_rank == 0:
-        children["tokenizer"] = ("radixlm-tok", TokenizerManager, (args, client, to_sched, from_sched))
-        children["scheduler"] = ("radixlm-sched", SchedulerProcess, (args, to_sched, from_sched))
-    procs = {}
+        children["tokenizer"] = ("radixlm-tok", "radixlm.runtime.tokenizer.manager:TokenizerManager",
+                                 (args, client, to_sched, from_sched))
+        children["scheduler"] = ("radixlm-sched", "radixlm.runtime.scheduler.process:SchedulerProcess",
+                                 (args, to_sched, from_sched))
+    for r in args.local_ranks:
+        if r > 0:
+            children[f"tp-rank-{r}"] = (f"radixlm-tp{r}", "radixlm.runtime.worker.tp_worker:Follower", (args, r))
+    procs, pipes = {}, {}
     with _children_skip_main():
-        for name, (title, cls, cls_args) in children.items():
-            procs[name] = ctx.Process(target=run_child, args=(title, cls, cls_args, pipes[name][1]),
+        for name, (title, target, target_args) in children.items():
+            reader, writer = ctx.Pipe(duplex=False)
+            procs[name] = ctx.Process(target=run_child, args=(title, target, target_args, writer),
                                       name=f"radixlm-{name}", daemon=True)
             procs[name].start()
-    group = RuntimeProcesses(client, ipc_dir, procs)
-    try:
-        for name, (reader, _) in pipes.items():
-            report = _wait_ready(name, reader, procs[name], start_timeout, group)
-            group.info.update({k: v for k, v in report.items() if k != "ok"})
-    except BaseException:
-        group.shutdown()
-        raise
-    log.info("runtime ready: %s", group.info)
-    return group
+            writer.close()  # the child's copy is its own: a child gone before it reports leaves the pipe at EOF
+            pipes[name] = reader
+    return RuntimeProcesses(client, ipc_dir, procs, starting=pipes)
 
 
-def run_child(title: str, cls: Callable[..., Any], cls_args: tuple, ready: Connection) -> None:
-    """A runtime child's entry point: build `cls(*cls_args)` and report on `ready` that it is ready
-    (with its `ready_info()`) or why it failed to start, then run its loop."""
+def run_child(title: str, target: str, target_args: tuple, ready: Connection) -> None:
+    """A runtime child's entry point: import the class `target` names ("module:Class"), build it
+    with `target_args` and report on `ready` that it is ready (with its `ready_info()`) or why it
+    failed to start, then run its loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     ipc.die_with_parent(title)
     configure_logging()
     try:
-        child = cls(*cls_args)
+        module, _, name = target.partition(":")
+        child = getattr(importlib.import_module(module), name)(*target_args)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which exits with it
         log.exception("%s failed to start", title)
         ready.send({"error": f"{type(e).__name__}: {e}"})
@@ -132,6 +149,16 @@ def run_child(title: str, cls: Callable[..., Any], cls_args: tuple, ready: Conne
     gc.freeze()
     ready.send({"ok": True, **child.ready_info()})
     child.run_forever()
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim; a no-op elsewhere).
+    Freed tensors' memory otherwise stays resident in the allocator: after loading a model (the
+    fp32 weights a quantized model was made from) that was ~440 MB of a SmolLM2 server's 1.7 GB."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
 
 
 @contextlib.contextmanager
@@ -174,7 +201,11 @@ def _wait_ready(name: str, reader: Any, proc: mp.process.BaseProcess, timeout: f
             raise LaunchError(f"the {dead} while starting")
         if waited >= timeout:
             raise LaunchError(f"the {name} process did not start within {timeout:.0f}s")
-    report = reader.recv()
+    try:
+        report = reader.recv()
+    except EOFError:  # gone without a word
+        proc.join(timeout)
+        raise LaunchError(f"the {name} process (pid {proc.pid}) exited with code {proc.exitcode} while starting") from None
     if "error" in report:
         raise LaunchError(f"the {name} process failed to start: {report['error']}")
     return report
@@ -186,20 +217,23 @@ def serve(args: ServerArgs, host: str = "127.0.0.1", port: int = 30000, api_key:
           max_request_bytes: int | None = None, max_queued_requests: int | None = None, webui: bool = True) -> int:
     """Run until SIGINT/SIGTERM (exit 0) or until a runtime process dies (exit 1). `webui`: the
     page at `/` (server/webui.py)."""
-    import asyncio
-    import threading
-
-    import uvicorn
-
-    from radixlm.runtime.client import RuntimeClient
-    from radixlm.runtime.model_config import resolve_model
-    from radixlm.runtime.server.http_server import MAX_REQUEST_BYTES, ServerState, create_app
-
     configure_logging()
-    group = launch_processes(args)
+    group = start_processes(args)
     if args.node_rank > 0:
+        group.wait_ready()
         return _serve_ranks(args, group)
     try:
+        # the HTTP server's modules load while the children start
+        import asyncio
+        import threading
+
+        import uvicorn
+
+        from radixlm.runtime.client import RuntimeClient
+        from radixlm.runtime.model_config import resolve_model
+        from radixlm.runtime.server.http_server import MAX_REQUEST_BYTES, ServerState, create_app
+
+        group.wait_ready()
         model_name = args.served_model_name or resolve_model(args.model_path).name
         info = {**group.info, "client_address": group.client_address}  # for local clients that attach (ZeroMQ)
         client = RuntimeClient(group.client_address)
@@ -284,7 +318,7 @@ def wait_until_serving(url: str, proc: subprocess.Popen, timeout: float = 300) -
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)  # a connection refused costs microseconds: poll often, never a long nap
     raise RuntimeError(f"the server did not answer within {timeout:.0f}s")
 
 

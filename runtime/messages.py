@@ -140,9 +140,12 @@ class TokenOutput:
 
 @dataclass
 class SchedulerLimits:
-    """Sent once, when the scheduler starts: what requests are checked against that only it knows."""
+    """Sent once, when the scheduler starts: what requests are checked against, from the model it
+    loaded (so the tokenizer process never reads the model's file) and the pool only it knows."""
 
     kv_pool_tokens: int  # the KV cache pool's size: a longer prompt can never run
+    vocab_size: int
+    context_length: int  # the model's, capped by --context-length
 
 
 @dataclass

@@ -243,7 +243,7 @@ def pytest_runtest_teardown(item, nextitem):
     if nextitem is None or nextitem.module is not item.module:
         import gc
 
-        from radixlm.runtime.utils import trim_heap
+        from radixlm.runtime.launch import trim_heap
 
         gc.collect()
         trim_heap()
@@ -264,8 +264,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 @pytest.fixture(scope="session")
-def server():
-    """One live `radixlm serve` (SmolLM2) for the whole session: server and language tests share it."""
+def server(smol_tokenizer):
+    """One live `radixlm serve` (SmolLM2) for the whole session: server and language tests share it.
+    (SmolLM2's tokenizer is converted first, as a server after the first finds it: a tokenizer
+    process that converts one imports torch, test_lifecycle.py's check.)"""
     from server.conftest import LiveServer
 
     # outlines: the server tests' exploding constraints ((a|b)*a(a|b){40}) are outlines-core's; the

@@ -20,8 +20,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from radixlm.runtime.constrained.jump_forward import Forced
+from radixlm.runtime.sampling_params import CONSTRAINTS, SamplingParams
 
 ConstraintKey = tuple[str, str]  # (kind: one of sampling_params.CONSTRAINTS, its text)
+
+
+def constraint_key(params: SamplingParams) -> ConstraintKey | None:
+    """(kind, text) of the request's constraint (validation leaves at most one), or None."""
+    for kind in CONSTRAINTS:
+        text = getattr(params, kind)
+        if text is not None:
+            return (kind, text)
+    return None
 
 
 class GrammarError(ValueError):

@@ -27,20 +27,10 @@ from radixlm.runtime.args import GRAMMAR_BACKENDS, ServerArgs
 from radixlm.runtime.constrained import compile_worker
 from radixlm.runtime.constrained.backend import ConstraintKey, GrammarBackend, GrammarError, Matcher
 from radixlm.runtime.constrained.jump_forward import JumpForward
-from radixlm.runtime.sampling_params import CONSTRAINTS, SamplingParams
 from radixlm.runtime.token_mask import allocate_mask
 
 Grammar = Any  # a backend's compiled constraint (GrammarBackend.load)
 START_TIMEOUT_S = 120.0  # a compiler process's start, before its first constraint
-
-
-def constraint_key(params: SamplingParams) -> ConstraintKey | None:
-    """(kind, text) of the request's constraint (validation leaves at most one), or None."""
-    for kind in CONSTRAINTS:
-        text = getattr(params, kind)
-        if text is not None:
-            return (kind, text)
-    return None
 
 
 class GrammarCompiler:

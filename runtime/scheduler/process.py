@@ -45,7 +45,9 @@ class SchedulerProcess:
         self.inbox = ipc.socket(self.ctx, zmq.PULL, recv_from, bind=False)
         self.outbox = ipc.socket(self.ctx, zmq.PUSH, send_to, bind=False)
         # the tokenizer process checks requests against these before it takes any (TokenizerManager.run_forever)
-        self.outbox.send(ipc.encode(SchedulerLimits(kv_pool_tokens=self.worker.num_pages * self.worker.page_size)))
+        w = self.worker
+        self.outbox.send(ipc.encode(SchedulerLimits(kv_pool_tokens=w.num_pages * w.page_size,
+                                                    vocab_size=w.config.vocab_size, context_length=w.context_length)))
         self._stepping = self._stopping = False
         self._update: tuple[str, ModelSource] | None = None  # a weight update waiting for the running requests
         signal.signal(signal.SIGTERM, self._on_terminate)

@@ -23,8 +23,8 @@ from typing import Callable
 from radixlm.runtime.args import ServerArgs
 from radixlm.runtime.cache.continuations import TreeContinuations
 from radixlm.runtime.cache.kv_tier import BLOCK_TOKENS, FileTier, KVTier
-from radixlm.runtime.constrained.backend import GrammarError
-from radixlm.runtime.constrained.grammar import GrammarCompiler, constraint_key
+from radixlm.runtime.constrained.backend import GrammarError, constraint_key
+from radixlm.runtime.constrained.grammar import GrammarCompiler
 from radixlm.runtime.constrained.reasoning_gate import ReasoningGate
 from radixlm.runtime.messages import CONSTRAINT_NOT_GIVEN, TokenizedRequest, TokenOutput
 from radixlm.runtime.model_config import ModelSource

@@ -61,15 +61,13 @@ class _InFlight:
 
 class TokenizerManager:
     def __init__(self, args: ServerArgs, client_addr: str, to_scheduler: str, from_scheduler: str) -> None:
-        from radixlm.runtime.model_config import load_config, resolve_model
+        from radixlm.runtime.model_config import resolve_model
         from radixlm.runtime.tokenizer.loader import load_tokenizer
 
         self.args = args
         source = resolve_model(args.model_path)
-        config = load_config(source)
-        self.vocab_size = config.vocab_size
-        self.context_length = min(config.context_length, args.context_length or 1 << 62)
         self.model_name = source.name
+        self.vocab_size = self.context_length = 0  # the model's, from the scheduler's limits (run_forever)
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source, args.tokenizer_path)
         self.prep: RequestPreparer  # once the scheduler's limits arrive (run_forever)
         self.ctx = zmq.Context()
@@ -90,6 +88,7 @@ class TokenizerManager:
         # the scheduler's first message; clients wait in the socket until requests can be checked
         limits = ipc.decode(self.from_scheduler.recv())
         assert isinstance(limits, SchedulerLimits), limits
+        self.vocab_size, self.context_length = limits.vocab_size, limits.context_length
         self.prep = RequestPreparer(self.tokenizer, self.vocab_size, self.context_length, limits.kv_pool_tokens,
                                     self.args.reasoning_parser, [name for name, _ in self.args.lora_adapters()])
         poller = zmq.Poller()

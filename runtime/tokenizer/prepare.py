@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixlm.runtime.constrained.grammar import constraint_key
+from radixlm.runtime.constrained.backend import constraint_key
 from radixlm.runtime.messages import GenerateRequest, TokenizedRequest
 from radixlm.runtime.native import BadRequest
 from radixlm.runtime.reasoning import end_tag_ids, gate_ids

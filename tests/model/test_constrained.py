@@ -141,7 +141,7 @@ def _assert_follows_the_constraint(engine, output_ids, constraint, jumps=()) -> 
     each of the request's `jumps` appended only what the constraint forced: from where the output
     stood, a fresh matcher admits no text that does not begin with the appended bytes, and after an
     appended EOS nothing but EOS."""
-    from radixlm.runtime.constrained.grammar import constraint_key
+    from radixlm.runtime.constrained.backend import constraint_key
     from radixlm.runtime.sampling_params import SamplingParams
 
     compiler = engine.scheduler.grammar

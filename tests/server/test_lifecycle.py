@@ -1,6 +1,6 @@
 """Start-up, shutdown and child death of the served process group: behaviour that needs no real
 weights, on the tiny Qwen3 (a tokenizer, a chat template, random weights), except where a fault
-token of SmolLM2's vocabulary is fed."""
+token of SmolLM2's vocabulary is fed and what each process loads (the session's server)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,20 @@ from server.conftest import LiveServer, all_gone, assert_kv_clean
 def _name(pid: int) -> str:
     with open(f"/proc/{pid}/comm") as f:
         return f.read().strip()
+
+
+def _maps_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
+
+
+def test_only_the_scheduler_loads_torch(server):
+    """The HTTP server's process and the tokenizer process never import torch (seconds of each
+    start, and their memory): only the scheduler, which runs the model, does."""
+    names = {_name(pid): pid for pid in server.child_pids()}
+    assert _maps_torch(names["radixlm-sched"])  # the check sees torch where it is loaded
+    assert not _maps_torch(server.proc.pid), "the HTTP server's process loaded torch"
+    assert not _maps_torch(names["radixlm-tok"]), "the tokenizer process loaded torch"
 
 
 def test_sigterm_stops_everything_and_removes_sockets(tiny_qwen3):

@@ -147,7 +147,7 @@ def test_the_checker_sees_imports():
     """The graph is read right: known imports of each kind appear (a checker that read nothing
     would pass every rule above)."""
     assert f"{R}.worker.model_worker" in GRAPH[f"{R}.scheduler.scheduler"]  # module level
-    assert f"{R}.scheduler.process" in GRAPH[f"{R}.launch"]  # inside a function
+    assert f"{R}.server.http_server" in GRAPH[f"{R}.launch"]  # inside a function
     assert f"{R}.ipc" in GRAPH[f"{R}.client"]  # `from package import module`
     assert "radixlm.kernels.common" in GRAPH["radixlm.kernels.decode_attention"]
     forward = f"{R}.worker.forward_batch"

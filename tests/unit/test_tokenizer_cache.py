@@ -1,11 +1,15 @@
-"""A GGUF file's tokenizer is converted once and loaded from the cache afterwards, unchanged."""
+"""A GGUF file's tokenizer is converted once and loaded from the cache afterwards, unchanged; a
+checkpoint directory's tokenizer class is worked out once; either then loads without torch."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import time
 
+from helpers import MODULE_CWD
 from radixlm.runtime.tokenizer.loader import load_tokenizer, tokenizer_cache_dir
 from radixlm.runtime.model_config import resolve_model
 
@@ -51,3 +55,50 @@ def test_a_damaged_or_stale_entry_is_rebuilt(tmp_path, monkeypatch, smol_tokeniz
     assert before != entry
     os.utime(copy, ns=(0, 0))
     assert tokenizer_cache_dir(copy) != before
+
+
+def _load_in_a_fresh_process(model_path: str | None) -> list[str]:
+    """What a process that only loads the tokenizer (as the tokenizer process does) imports of torch."""
+    code = ("import sys; from radixlm.runtime.model_config import resolve_model; "
+            "from radixlm.runtime.tokenizer.loader import load_tokenizer; "
+            f"load_tokenizer(resolve_model({model_path!r})); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=MODULE_CWD, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return eval(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_cached_tokenizer_loads_without_torch(tmp_path, monkeypatch, tiny_qwen3):
+    """transformers' AutoTokenizer imports torch (its configuration module does): once the cache says
+    which class a model's tokenizer is, loading it imports none of torch, for a GGUF file and for a
+    checkpoint directory alike."""
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path))
+    for path in (None, tiny_qwen3):
+        load_tokenizer(resolve_model(path))  # worked out once (here, in a process that has torch anyway)
+        assert _load_in_a_fresh_process(path) == [], path
+
+
+def test_a_directory_tokenizer_is_autotokenizers(tmp_path, monkeypatch, tiny_qwen3):
+    """The class remembered for a checkpoint directory is the one AutoTokenizer picks, loaded from the
+    directory itself; a damaged record is rewritten, and a changed tokenizer file makes a new one."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path))
+    auto = AutoTokenizer.from_pretrained(tiny_qwen3)
+    first = load_tokenizer(resolve_model(tiny_qwen3))
+    again = load_tokenizer(resolve_model(tiny_qwen3))
+    assert type(first) is type(again) is type(auto)
+    _same(again, auto)
+    (record,) = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files if f == "tokenizer_class.json"]
+    with open(record, "w") as f:
+        f.write('{"tokenizer_class": "NoSuchTokenizer"}')
+    _same(load_tokenizer(resolve_model(tiny_qwen3)), auto)
+    with open(record) as f:
+        assert type(auto).__name__ in f.read()
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_qwen3, copy)
+    load_tokenizer(resolve_model(str(copy)))
+    os.utime(copy / "tokenizer_config.json", ns=(0, 0))
+    load_tokenizer(resolve_model(str(copy)))
+    records = [f for _, _, files in os.walk(tmp_path) for f in files if f == "tokenizer_class.json"]
+    assert len(records) == 3  # the original, the copy, the copy after its change
