@@ -9,13 +9,15 @@ directory's is remembered beside its key), and later starts load that class dire
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, Iterator
 
 import transformers
 from transformers import PreTrainedTokenizerBase
@@ -59,17 +61,43 @@ def _gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """A GGUF file's tokenizer. transformers converts it in seconds (it parses ~50k token strings in
     Python) every time, so the result is kept as a tokenizer.json under the cache directory, keyed by
     the file and the transformers version; from there it loads in a tenth of a second, as the class
-    its tokenizer_config.json names."""
+    its tokenizer_config.json names. One process converts at a time (the scheduler and the tokenizer
+    process start together): the other waits for it, then loads what it wrote."""
     cache = tokenizer_cache_dir(path)
-    if os.path.exists(os.path.join(cache, "tokenizer.json")):
-        try:
-            with open(os.path.join(cache, "tokenizer_config.json")) as f:
-                return _load_class(json.load(f)["tokenizer_class"], cache)
-        except Exception as e:  # noqa: BLE001 - a damaged cache entry is rebuilt, not fatal
-            log.warning("ignoring the cached tokenizer in %s: %s", cache, e)
-    tokenizer = _auto_tokenizer(os.path.dirname(path), gguf_file=os.path.basename(path))
-    _write_entry(cache, tokenizer.save_pretrained)
+    tokenizer = _cached_gguf_tokenizer(cache)
+    if tokenizer is None:
+        with _one_at_a_time(cache):
+            tokenizer = _cached_gguf_tokenizer(cache)
+            if tokenizer is None:
+                tokenizer = _auto_tokenizer(os.path.dirname(path), gguf_file=os.path.basename(path))
+                _write_entry(cache, tokenizer.save_pretrained)
     return tokenizer
+
+
+def _cached_gguf_tokenizer(cache: str) -> PreTrainedTokenizerBase | None:
+    if not os.path.exists(os.path.join(cache, "tokenizer.json")):
+        return None
+    try:
+        with open(os.path.join(cache, "tokenizer_config.json")) as f:
+            return _load_class(json.load(f)["tokenizer_class"], cache)
+    except Exception as e:  # noqa: BLE001 - a damaged cache entry is rebuilt, not fatal
+        log.warning("ignoring the cached tokenizer in %s: %s", cache, e)
+        return None
+
+
+@contextlib.contextmanager
+def _one_at_a_time(entry: str) -> Iterator[None]:
+    """Hold the cache entry's lock file (an exclusive flock) while inside; without a writable cache
+    directory, nothing to hold."""
+    try:
+        os.makedirs(os.path.dirname(entry), exist_ok=True)
+        lock = open(entry + ".lock", "a")
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _auto_tokenizer(path: str, **kwargs: Any) -> PreTrainedTokenizerBase:

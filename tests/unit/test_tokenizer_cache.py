@@ -102,3 +102,31 @@ def test_a_directory_tokenizer_is_autotokenizers(tmp_path, monkeypatch, tiny_qwe
     load_tokenizer(resolve_model(str(copy)))
     records = [f for _, _, files in os.walk(tmp_path) for f in files if f == "tokenizer_class.json"]
     assert len(records) == 3  # the original, the copy, the copy after its change
+
+
+def test_a_conversion_under_way_is_waited_for(tmp_path, monkeypatch, smol_tokenizer):
+    """The scheduler and the tokenizer process start together: while one converts a GGUF file's
+    tokenizer (it holds the entry's lock), the other waits, then loads what it wrote instead of
+    converting it again (seconds of CPU on a machine whose cores both are starting)."""
+    import fcntl
+    import threading
+
+    from radixlm.runtime.tokenizer import loader
+
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path))
+    src = resolve_model(None)
+    entry = tokenizer_cache_dir(src.path)
+    conversions, waiting, flock = [], threading.Event(), fcntl.flock
+    monkeypatch.setattr(loader, "_auto_tokenizer", lambda *a, **k: conversions.append(a) or smol_tokenizer)
+    monkeypatch.setattr(fcntl, "flock", lambda f, op: (waiting.set(), flock(f, op))[1])
+    os.makedirs(os.path.dirname(entry))
+    with open(entry + ".lock", "a") as lock:
+        flock(lock, fcntl.LOCK_EX)  # another process converting
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(load_tokenizer(src)))
+        waiter.start()
+        assert waiting.wait(60), "it did not wait for the conversion under way"
+        smol_tokenizer.save_pretrained(entry)  # what the other process writes
+    waiter.join(60)
+    assert conversions == [] and len(got) == 1
+    _same(got[0], smol_tokenizer)
