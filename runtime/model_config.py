@@ -517,17 +517,22 @@ def gguf_reader(path: str):
 
 @functools.cache
 def _fast_reader() -> type:
-    """gguf's reader over a plain array view of the mapped file, its one low-level read kept lean.
+    """gguf's reader over a plain array view of the mapped file, its one low-level read kept lean,
+    and an array's items read only when asked for.
 
-    The reader slices the file once per part of every field: ~250k slices for a tokenizer's ~50k
-    strings and merges. Each slice of a `np.memmap` pays the subclass's `__array_finalize__`, and
-    each read a throwaway array to learn an item size and a byte-order view: 3.3 s for SmolLM2's
-    file, at every start of every process that loads it. Over a plain view with the item sizes
-    cached it is 0.8 s, the fields and tensors the same (tests/unit/test_loader.py checks)."""
+    The reader slices the file once per part of every field: ~300k slices for a tokenizer's ~50k
+    strings, merges and token types. Each slice of a `np.memmap` pays the subclass's
+    `__array_finalize__`, and each read a throwaway array to learn an item size and a byte-order
+    view: 3.3 s for SmolLM2's file, at every start of every process that loads it. Over a plain view
+    with the item sizes cached it was 0.8 s; with arrays' items made as they are read
+    (`_ArrayParts`: the config needs only the arrays' lengths, the weights none of them) 0.1 s. The
+    fields and tensors are the same (tests/unit/test_loader.py checks)."""
+    import struct
     import sys
+    from collections.abc import Callable, Sequence
 
     import numpy as np
-    from gguf import GGUFReader
+    from gguf import GGUFEndian, GGUFReader, GGUFValueType, ReaderField
 
     dtypes: dict[Any, np.dtype] = {}
     native = "<" if sys.byteorder == "little" else ">"
@@ -549,6 +554,71 @@ def _fast_reader() -> type:
             arr = self._plain[offset : offset + dt.itemsize * count].view(dt)
             order = self.byte_order if override_order is None else override_order
             return arr if order in ("I", native) else arr.view(arr.dtype.newbyteorder(order))
+
+        def _build_fields(self, offs: int, count: int) -> int:
+            """gguf's field parse, but an array's parts are `_ArrayParts`, made when read."""
+            for _ in range(count):
+                start = offs
+                key_len, key = self._get_str(offs)
+                offs += int(key_len.nbytes + key.nbytes)
+                kind = self._get(offs, np.uint32)
+                offs += int(kind.nbytes)
+                head = [key_len, key, kind]
+                array = self._array(offs, head) if kind[0] == GGUFValueType.ARRAY else None
+                if array is not None:
+                    size, parts, types = array
+                    data = list(range(len(parts.head) + parts.per_item - 1, len(parts), parts.per_item))
+                else:
+                    size, value_parts, value_data, types = self._get_field_parts(offs, kind[0])
+                    parts, data = head + value_parts, [i + len(head) for i in value_data]
+                self._push_field(ReaderField(start, str(bytes(key), encoding="utf-8"), parts, data, types),
+                                 skip_sum=True)
+                offs += size
+            return offs
+
+        def _array(self, offs: int, head: list) -> tuple[int, _ArrayParts, list] | None:
+            """(its size, the field's parts, its types) for the array at `offs` (its field's parts
+            so far: `head`) of strings or scalars; None for an empty or nested one (gguf's own
+            parse). A string array's strings are walked for their lengths, nothing more."""
+            item_type, length = self._get(offs, np.uint32), self._get(offs + 4, np.uint64)
+            count, item = int(length[0]), GGUFValueType(item_type[0])
+            head, body = head + [item_type, length], offs + 12
+            if count and item == GGUFValueType.STRING:
+                fmt = "<Q" if self.endianess == GGUFEndian.LITTLE else ">Q"
+                buf, at, starts = memoryview(self._plain), body, []
+                for _ in range(count):
+                    starts.append(at)
+                    at += 8 + struct.unpack_from(fmt, buf, at)[0]
+                parts = _ArrayParts(head, count, 2, lambda k, j: self._get_str(starts[k])[j])
+                return at - offs, parts, [GGUFValueType.ARRAY, item]
+            scalar = self.gguf_scalar_to_np.get(item)
+            if not count or scalar is None:
+                return None
+            size = np.dtype(scalar).itemsize
+            parts = _ArrayParts(head, count, 1, lambda k, j: self._get(body + k * size, scalar))
+            return 12 + count * size, parts, [GGUFValueType.ARRAY, item]
+
+    class _ArrayParts(Sequence):
+        """An array field's `parts` as gguf's reader lists them (the key's length, the key, the type,
+        the item type, the count, then each item's: a string's length and bytes, a scalar's value),
+        each item's made when read: only a tokenizer conversion reads a tokenizer's ~250k."""
+
+        def __init__(self, head: list, count: int, per_item: int, part: Callable[[int, int], Any]) -> None:
+            self.head, self.count, self.per_item, self.part = head, count, per_item, part
+
+        def __len__(self) -> int:
+            return len(self.head) + self.per_item * self.count
+
+        def __getitem__(self, i: Any) -> Any:
+            if isinstance(i, slice):
+                return [self[j] for j in range(*i.indices(len(self)))]
+            if i < 0:
+                i += len(self)
+            if not 0 <= i < len(self):
+                raise IndexError(i)
+            if i < len(self.head):
+                return self.head[i]
+            return self.part(*divmod(i - len(self.head), self.per_item))
 
     return FastGGUFReader
 

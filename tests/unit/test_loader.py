@@ -223,6 +223,20 @@ def test_the_fast_gguf_reader_reads_what_ggufs_own_reads():
     assert all(np.array_equal(np.asarray(a.data), np.asarray(b.data)) for a, b in zip(ours.tensors, theirs.tensors))
 
 
+def test_the_fast_gguf_reader_reads_no_array_item_it_is_not_asked_for(monkeypatch):
+    """Parsing the embedded file reads each field's head and each tensor's header, not the ~150k
+    items of the tokenizer's arrays (~300k reads, seconds at every start), which only a tokenizer
+    conversion asks for."""
+    from radixlm.runtime.model_config import _fast_reader, load_config, resolve_model
+
+    reader_class, reads = _fast_reader(), []
+    read = reader_class._get
+    monkeypatch.setattr(reader_class, "_get", lambda self, *a, **k: (reads.append(a), read(self, *a, **k))[1])
+    ours = reader_class(resolve_model(None).path)
+    assert len(reads) < 5_000, len(reads)  # fields and tensors: a few per each
+    assert len(ours.fields["tokenizer.ggml.tokens"].data) == load_config(resolve_model(None)).vocab_size == 49152
+
+
 def test_gpt_oss_mxfp4_experts_read_as_hf_dequantizes_them(tmp_path):
     """gpt-oss's checkpoints keep each kind of expert matrix stacked in OpenAI's MXFP4 (`_blocks`,
     `_scales`), gate and up interleaved: each expert's matrices read back as transformers' own
