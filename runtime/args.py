@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm.runtime.cores import check_bind
 from radixlm.runtime.reasoning import reasoning_format
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof")
@@ -114,7 +115,13 @@ class ServerArgs:
     dist_init_addr: str | None = field(default=None, metadata={
         "help": "host:port where node 0 meets the other ranks (default on one machine: a free local port)"})
     dist_timeout: int = field(default=600, metadata={"help": "seconds a rank waits on the others before giving up"})
-    num_threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch default)"})
+    num_threads: int = field(default=0, metadata={
+        "help": "torch CPU threads of each process that runs the model (0: the physical cores of its --cpu-bind "
+                "share; with --cpu-bind none, torch's default)"})
+    cpu_bind: str = field(default="auto", metadata={
+        "help": "on a CPU, the cores of this machine's tensor-parallel ranks (radixlm router --dp-size: of its "
+                "replicas): auto (the cores this process may use, split evenly, each rank pinned to its share), "
+                "none (no pinning), or core lists, one per process or one to split: 0-3|4-7"})
     incremental_streaming_output: bool = field(default=False, metadata={
         "help": "native /generate streams send only what is new in each chunk (default, as SGLang: the text, "
                 "output ids and output logprobs so far)"})
@@ -188,6 +195,9 @@ class ServerArgs:
             raise ValueError("several nodes need --dist-init-addr host:port (node 0's address)")
         if self.reasoning_parser is not None:
             reasoning_format(self.reasoning_parser)  # raises, naming the known ones
+        if self.num_threads < 0:
+            raise ValueError("num_threads must be >= 0")
+        check_bind(self.cpu_bind)
 
     @property
     def local_ranks(self) -> range:

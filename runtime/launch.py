@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Iterator
 
-from radixlm.runtime import ipc
+from radixlm.runtime import cores, ipc
 from radixlm.runtime.args import ServerArgs
 
 log = logging.getLogger("radixlm.launch")
@@ -67,6 +67,8 @@ class RuntimeProcesses:
         try:
             for name, reader in list(self.starting.items()):
                 report = _wait_ready(name, reader, self.processes[name], timeout, self)
+                if "placement" in report:  # a rank's cores and threads, by process
+                    self.info.setdefault("placement", {})[name] = report.pop("placement")
                 self.info.update({k: v for k, v in report.items() if k != "ok"})
                 del self.starting[name]
         except BaseException:
@@ -102,6 +104,8 @@ def start_processes(args: ServerArgs) -> RuntimeProcesses:
     ctx = mp.get_context("spawn")  # fork after torch or zmq initialised is unsafe
     if args.tp_size > 1 and not args.dist_init_addr:
         args = dataclasses.replace(args, dist_init_addr=f"127.0.0.1:{free_port()}")
+    shares = cores.cpu_shares(args.cpu_bind, len(args.local_ranks))  # this machine's ranks split its cores
+    cpus = {rank: shares[i] if shares else None for i, rank in enumerate(args.local_ranks)}
     ipc_dir = ipc.private_ipc_dir()
     client, to_sched, from_sched = (ipc.endpoint(ipc_dir, n) for n in ("clients", "to-scheduler", "from-scheduler"))
     # name -> (process title, start-up class as "module:Class", its arguments)
@@ -110,10 +114,10 @@ def start_processes(args: ServerArgs) -> RuntimeProcesses:
         children["tokenizer"] = ("radixlm-tok", "radixlm.runtime.tokenizer.manager:TokenizerManager",
                                  (args, client, to_sched, from_sched))
         children["scheduler"] = ("radixlm-sched", "radixlm.runtime.scheduler.process:SchedulerProcess",
-                                 (args, to_sched, from_sched))
+                                 (args, to_sched, from_sched, cpus[0]))
     for r in args.local_ranks:
         if r > 0:
-            children[f"tp-rank-{r}"] = (f"radixlm-tp{r}", "radixlm.runtime.worker.tp_worker:Follower", (args, r))
+            children[f"tp-rank-{r}"] = (f"radixlm-tp{r}", "radixlm.runtime.worker.tp_worker:Follower", (args, r, cpus[r]))
     procs, pipes = {}, {}
     with _children_skip_main():
         for name, (title, target, target_args) in children.items():
@@ -298,7 +302,8 @@ def _exit_quietly(signum: int, frame: object) -> None:
 # ---- servers in their own processes: `radixlm router`'s replicas, scripts and tests --------
 
 def start_replica(args: ServerArgs) -> tuple[str, subprocess.Popen]:
-    """A `radixlm serve` on a free local port with these options; (its URL, its process)."""
+    """A `radixlm serve` on a free local port with these options; (its URL, its process). Its
+    `--cpu-bind` names the cores its ranks split (`run_router` gives each replica its share)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "radixlm.runtime.cli", "serve", "--port", str(port), *args.to_cli_args()])
     return f"http://127.0.0.1:{port}", proc
@@ -330,7 +335,9 @@ def run_router(urls: list[str], dp_size: int, args: ServerArgs, policy: str, hos
     from radixlm.runtime.router.router import Router, create_router_app
 
     configure_logging()
-    replicas = [start_replica(args) for _ in range(dp_size)]
+    shares = cores.cpu_shares(args.cpu_bind, dp_size) if dp_size else None  # the replicas split this machine's cores
+    replicas = [start_replica(dataclasses.replace(args, cpu_bind=cores.format_cpu_list(shares[i]) if shares else "none"))
+                for i in range(dp_size)]
     try:
         for url, proc in replicas:
             wait_until_serving(url, proc)

@@ -17,6 +17,7 @@ from radixlm.runtime.messages import (AbortRequest, BatchTokenOutput, ControlOut
 from radixlm.runtime.model_config import ModelSource
 from radixlm.runtime.native import BadRequest
 from radixlm.runtime.scheduler.scheduler import DeviceLost, Scheduler
+from radixlm.runtime.worker.parallel import init_group, place_rank, placement
 
 log = logging.getLogger("radixlm.scheduler")
 
@@ -26,12 +27,13 @@ class _Stop(Exception):
 
 
 class SchedulerProcess:
-    def __init__(self, args: ServerArgs, recv_from: str, send_to: str) -> None:
+    def __init__(self, args: ServerArgs, recv_from: str, send_to: str, cpus: list[int] | None = None) -> None:
+        """`cpus`: tensor-parallel rank 0's share of the machine's cores (launch.start_processes), or None."""
         from radixlm.runtime.tokenizer.loader import load_tokenizer
         from radixlm.runtime.model_config import resolve_model
         from radixlm.runtime.worker.model_worker import ModelWorker
-        from radixlm.runtime.worker.parallel import init_group
 
+        place_rank(args, cpus)
         source = resolve_model(args.model_path)
         tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source, args.tokenizer_path)
         decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else None
@@ -65,7 +67,7 @@ class SchedulerProcess:
         return {"context_length": w.context_length, "vocab_size": w.config.vocab_size,
                 "max_total_tokens": w.num_pages * w.page_size, "page_size": w.page_size,
                 "architecture": w.config.architecture, "dtype": str(w.dtype).removeprefix("torch."),
-                "device": str(w.device)}
+                "device": str(w.device), "placement": placement()}
 
     def run_forever(self) -> None:
         try:

@@ -11,12 +11,15 @@ row-parallel layers, all-gather of vocab-parallel logits) line up. Only rank 0 s
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from radixlm.runtime import cores
 from radixlm.runtime.args import ServerArgs
 from radixlm.runtime.worker.forward_batch import ForwardMode, StepTokens, WorkerBatch
 
@@ -65,11 +68,31 @@ _TENSORS = [f.name for f in fields(StepTokens) if f.type == "torch.Tensor"]
 _INTS = [f.name for f in fields(StepTokens) if f.type == "int"]
 
 
+def on_cuda(args: ServerArgs) -> bool:
+    """Whether the ranks run on CUDA (`--device`, auto: when there is a GPU)."""
+    return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+
+
+def place_rank(args: ServerArgs, cpus: list[int] | None) -> None:
+    """Pin this rank's process to its share of the machine's cores (`cores.py`; `launch` gives it)
+    with as many torch threads as the share has physical cores, or `--num-threads`. Nothing on
+    CUDA, nor without a share (`--cpu-bind none`)."""
+    if cpus is None or on_cuda(args):
+        return
+    cores.pin(cpus)
+    torch.set_num_threads(args.num_threads or cores.physical_cores(cpus))
+
+
+def placement() -> dict[str, Any]:
+    """This process's cores and torch threads, as the parent reports them (`/get_server_info`)."""
+    return {"cpus": cores.format_cpu_list(sorted(os.sched_getaffinity(0))), "torch_threads": torch.get_num_threads()}
+
+
 def init_group(args: ServerArgs, rank: int) -> TPContext:
     """Join the tensor-parallel group as `rank` (gloo on CPUs, NCCL on GPUs); SINGLE for tp size 1."""
     if args.tp_size == 1:
         return SINGLE
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    cuda = on_cuda(args)
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{args.dist_init_addr}",

@@ -9,7 +9,7 @@ import os
 import torch.distributed as dist
 
 from radixlm.runtime.args import ServerArgs
-from radixlm.runtime.worker.parallel import init_group
+from radixlm.runtime.worker.parallel import init_group, place_rank, placement
 
 log = logging.getLogger("radixlm.tp")
 
@@ -18,15 +18,17 @@ class Follower:
     """A follower rank's process (launch.run_child starts it): this rank's shards loaded, then every
     step rank 0 sends, until the group goes away."""
 
-    def __init__(self, args: ServerArgs, rank: int) -> None:
+    def __init__(self, args: ServerArgs, rank: int, cpus: list[int] | None = None) -> None:
+        """`cpus`: this rank's share of the machine's cores (launch.start_processes), or None."""
         from radixlm.runtime.model_config import resolve_model
         from radixlm.runtime.worker.model_worker import ModelWorker
 
+        place_rank(args, cpus)
         self.rank = rank
         self.worker = ModelWorker(args, resolve_model(args.model_path), tp=init_group(args, rank))
 
     def ready_info(self) -> dict:
-        return {}
+        return {"placement": placement()}
 
     def run_forever(self) -> None:
         try:

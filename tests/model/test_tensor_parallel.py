@@ -1,5 +1,6 @@
 """Tensor parallelism over gloo on a CPU: greedy tokens equal HF (and so TP=1) for every TP size,
-prompt logprobs agree with TP=1, and a rank that dies takes the whole group down."""
+prompt logprobs agree with TP=1, the ranks split the machine's cores, and a rank that dies takes
+the whole group down."""
 
 from __future__ import annotations
 
@@ -17,9 +18,39 @@ import torch
 
 from conftest import NEW_TOKENS
 from oracle import assert_matches
+from radixlm.runtime.cores import parse_cpu_list
 from radixlm.runtime.engine import Engine
 
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0}
+
+
+def _children() -> dict[str, int]:
+    """This process's children by title (radixlm-sched is rank 0's process, radixlm-tpN rank N's)."""
+    out = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout
+    names = {}
+    for pid in map(int, out.split()):
+        with open(f"/proc/{pid}/comm") as f:
+            names[f.read().strip()] = pid
+    return names
+
+
+def _assert_ranks_split_the_cores(engine: Engine) -> None:
+    """On one machine each rank is pinned to its own cores (the kernel's view of each process), as
+    it reports, with a torch thread per physical core of them: between them, the cores this
+    process may use, each once."""
+    pids, placement = _children(), engine.info["placement"]
+    cpus = {name: os.sched_getaffinity(pids[title]) for name, title in (("scheduler", "radixlm-sched"),
+                                                                         ("tp-rank-1", "radixlm-tp1"))}
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) >= 2:
+        assert not cpus["scheduler"] & cpus["tp-rank-1"] and cpus["scheduler"] | cpus["tp-rank-1"] == allowed, cpus
+    else:
+        assert cpus["scheduler"] == cpus["tp-rank-1"] == allowed
+    with open(f"/sys/devices/system/cpu/cpu{min(allowed)}/topology/thread_siblings_list") as f:
+        per_core = len(parse_cpu_list(f.read().strip()))
+    for name, mine in cpus.items():
+        assert parse_cpu_list(placement[name]["cpus"]) == sorted(mine), (name, placement)
+        assert placement[name]["torch_threads"] == max(1, len(mine) // per_core), (name, placement)
 
 
 def _assert_clean(engine: Engine) -> None:
@@ -39,6 +70,7 @@ def test_greedy_tokens_equal_hf_at_every_tp_size(tiny_llama, tp_size):
         if tp_size == 4:  # (replicated KV heads are what 4 ranks add; the cache across ranks is 2's)
             _assert_clean(engine)
             return
+        _assert_ranks_split_the_cores(engine)
         shared = engine.generate(input_ids=tiny_llama.shared_prompts, sampling_params=GREEDY)
         assert sum(r["meta_info"]["cached_tokens"] for r in shared) >= 6 * 64  # the prefix cache works across ranks
         for i, (res, ref) in enumerate(zip(shared, tiny_llama.shared_refs)):
