@@ -5,8 +5,10 @@ token of SmolLM2's vocabulary is fed and what each process loads (the session's 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -92,14 +94,27 @@ def test_a_worker_fault_fails_its_request_with_an_id_and_the_server_serves_on():
             return httpx.post(srv.url + "/generate", json={"input_ids": ids, "sampling_params": {
                 "max_new_tokens": n, "temperature": 0}}, timeout=60)
 
-        slow = concurrent.futures.ThreadPoolExecutor(1).submit(generate, [1, 2, 3], 48)  # running meanwhile
-        time.sleep(0.5)
+        decoding = threading.Event()
+
+        def stream_slow() -> tuple[int, int]:  # a request decoding meanwhile: its first token seen before the fault
+            body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 48, "temperature": 0},
+                    "stream": True}
+            with httpx.stream("POST", srv.url + "/generate", json=body, timeout=60) as r:
+                last = None
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        decoding.set()
+                        last = json.loads(line[len("data: "):])
+            return r.status_code, last["meta_info"]["completion_tokens"]
+
+        slow = concurrent.futures.ThreadPoolExecutor(1).submit(stream_slow)
+        assert decoding.wait(60)
         r = generate([1, 2, FAULT_TOKEN, 5])
         assert r.status_code == 500, r.text
         message = r.json()["error"]["message"]
         assert r.json()["error"]["type"] == "server_error" and "error id" in message, message
         error_id = message.split("error id ")[1].rstrip(")")
-        assert slow.result().status_code == 200 and slow.result().json()["meta_info"]["completion_tokens"] == 48
+        assert slow.result() == (200, 48)
         assert generate([1, 2, 3, 5]).status_code == 200
         assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
         assert_kv_clean(srv.url)
