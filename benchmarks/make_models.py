@@ -26,11 +26,19 @@ quantizers; gguf (0.19) has none for the K formats, so Q4_K and Q6_K blocks are 
 Tensors are made, quantized and written one at a time, in chunks of rows (the 8B files never
 take more than a few hundred MB); a file whose spec (shape, type, seed) matches is skipped, and a
 file is written under a temporary name and renamed when complete. Quantizing in numpy is slow:
-about 10 minutes per 8B file on 2 cores.
+8-10 minutes per 8B file on 2 busy cores (1B: 1-2 minutes).
 
-The Qwen3-30B-A3B shape (128 experts of 768, 8 used, 48 layers) is ~17 GB at 4 bits: it fits on
-disk, and llama.cpp maps it on a 24 GB machine, but it takes an hour to write and no server of ours
-serves it there yet, so it is written only when named in --models.
+| name | file | weights | tensors |
+|---|---|---|---|
+| 1b-q4_0 | 0.63 GB | 1.07 B | Q4_0 91%, Q6_K 9% (the tied table) |
+| 1b-q4_k_m | 0.67 GB | 1.07 B | Q4_K 77%, Q6_K 23% |
+| 8b-q4_0 | 4.21 GB | 7.38 B | Q4_0 97%, Q6_K 3% (the output table) |
+| 8b-q4_k_m | 4.47 GB | 7.38 B | Q4_K 84%, Q6_K 16% |
+| 30b-a3b-q4_0, 30b-a3b-q4_k_m | 17.0, 18.3 GB | 30.1 B | as the 8B's |
+
+The Qwen3-30B-A3B shape (128 experts of 768, 8 used, 48 layers) is 17-18 GB at 4 bits: it fits on
+disk, and llama.cpp maps it on a 24 GB machine, but it takes about 40 minutes to write and no
+server of ours holds it in 24 GB yet, so it is written only when named in --models.
 """
 
 from __future__ import annotations
