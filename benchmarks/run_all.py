@@ -5,6 +5,7 @@
     python benchmarks/run_all.py --only mmlu,chat --systems radixlm,hf-static
     python benchmarks/run_all.py --replot     # redraw the PNGs from results/summary.json
     python benchmarks/run_all.py --only online  # only the online section (with --quick: a few requests)
+    python benchmarks/run_all.py --only online --models smollm2,1b-q4_0,8b-q4_0  # ... on these files
 
 Systems:
 - radixlm: each program workload as a `radixlm.lang` program (`run_batch` on the
@@ -41,6 +42,10 @@ llama.cpp system, started with a current release's defaults: no
 `/v1/completions`, token-id prompts, streamed, greedy, `ignore_eos`, so both
 make every token. Three workloads: one stream; 32 streams with no sharing; 16
 streams over 4 interleaved groups that each share a ~1,000-token system prompt.
+By default on the embedded SmolLM2 file; `--models` names others (make_models.py's
+real-shaped files by name, from `--models-dir`, or GGUF paths), each served in turn
+and reported in a table of its own. `radixlm fp32` runs on the embedded file alone
+(fp32 copies of the 1B and 8B shapes take 4 and 32 GB).
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ sys.path.append(ROOT)  # after site-packages: kernels/ must not shadow the insta
 import radixlm as rl  # noqa: E402
 from radixlm.lang.backends.base import Call  # noqa: E402
 from machine import FEATURES, cpu_info  # noqa: E402
+from make_models import DEFAULT_FOLDER, EMBEDDED, resolve  # noqa: E402
 from offline_throughput import hf_generate, load_hf  # noqa: E402
 from radixlm.runtime import bench_serve  # noqa: E402
 from radixlm.runtime.launch import free_port, wait_until_serving  # noqa: E402
@@ -365,29 +371,45 @@ def llama_cpp_version(binary: str) -> str:
     return "; ".join(lines)
 
 
-@contextmanager
-def serving(name: str, command: list[str], port: int) -> Iterator[str]:
-    """Run a server process until the block ends; yields its URL once /health answers. Its output
-    goes to a log file, whose tail a failed start reports."""
+def radixlm_serve_command(port: int, model: str | None = None, *extra: str) -> list[str]:
+    """`radixlm serve` on `port` (the embedded model where `model` is None)."""
+    return [sys.executable, "-m", "radixlm.runtime.cli", "serve", "--port", str(port),
+            *(["--model-path", model] if model else []), *extra]
+
+
+def start_server(name: str, command: list[str], port: int) -> tuple[subprocess.Popen, str]:
+    """Start a server process in its own session (so its children can be stopped with it), its output
+    to a log file; returns the process and the log's path."""
     print(f"{name}: {shlex.join(command)}", flush=True)
     log_path = os.path.join(tempfile.gettempdir(), f"run_all-{name.replace(' ', '-')}-{port}.log")
-    url = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log_path
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:  # its own session: the group is its children, nothing else
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@contextmanager
+def serving(name: str, command: list[str], port: int) -> Iterator[str]:
+    """Run a server process until the block ends; yields its URL once /health answers. A failed
+    start reports its log's tail."""
+    url = f"http://127.0.0.1:{port}"
+    proc, log_path = start_server(name, command, port)
+    try:
         try:
-            try:
-                wait_until_serving(url, proc, timeout=300)
-            except RuntimeError as e:
-                with open(log_path) as f:
-                    raise RuntimeError(f"{name}: {e}; {log_path} ends: {f.read()[-1500:]}") from None
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:  # its own session: the group is its children, nothing else
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            wait_until_serving(url, proc, timeout=300)
+        except RuntimeError as e:
+            with open(log_path) as f:
+                raise RuntimeError(f"{name}: {e}; {log_path} ends: {f.read()[-1500:]}") from None
+        yield url
+    finally:
+        stop_server(proc)
 
 
 class LlamaCpp:
@@ -500,6 +522,7 @@ class OnlineResult:
     system: str
     summary: dict[str, Any]  # bench_serve.summarize's
     expected_tokens: int  # the output tokens the requests asked for
+    model: str = EMBEDDED  # the file's name in --models
 
     @property
     def note(self) -> str:
@@ -516,7 +539,7 @@ class OnlineResult:
         return not self.note
 
 
-def run_online(system: str, url: str, workloads: list[OnlineWorkload]) -> list[OnlineResult]:
+def run_online(system: str, url: str, workloads: list[OnlineWorkload], model: str) -> list[OnlineResult]:
     """Each workload through bench serve's OpenAI client (the same body for both servers)."""
 
     def bench(requests: list[bench_serve.Request], concurrency: int) -> dict[str, Any]:
@@ -527,35 +550,40 @@ def run_online(system: str, url: str, workloads: list[OnlineWorkload]) -> list[O
     results = []
     for w in workloads:
         requests = w.requests()
-        r = OnlineResult(w.name, system, bench(requests, w.concurrency), sum(q.output_len for q in requests))
+        r = OnlineResult(w.name, system, bench(requests, w.concurrency), sum(q.output_len for q in requests), model)
         results.append(r)
         s = r.summary
-        print(f"online {w.name:<16} {system:<10} {s['output_tok_s']:7.1f} out tok/s  {s['request_throughput']:6.2f} req/s  "
-              f"TTFT p50 {s['ttft_ms']['p50']:7.1f} ms  TPOT p50 {s['tpot_ms']['p50']:6.1f} ms  {r.note}", flush=True)
+        print(f"online {model} {w.name:<16} {system:<10} {s['output_tok_s']:7.1f} out tok/s  "
+              f"{s['request_throughput']:6.2f} req/s  TTFT p50 {s['ttft_ms']['p50']:7.1f} ms  "
+              f"TPOT p50 {s['tpot_ms']['p50']:6.1f} ms  {r.note}", flush=True)
     return results
 
 
-def online_section(workloads: list[OnlineWorkload], systems: list[str], gguf: str, llama_binary: str | None,
-                   notes: list[str], commands: dict[str, str]) -> list[OnlineResult]:
-    """radixlm's server (its defaults, then fp32 weights), then llama-server (its defaults, one slot per
-    stream), each alone on the machine."""
+def online_section(workloads: list[OnlineWorkload], systems: list[str], models: dict[str, str],
+                   llama_binary: str | None, notes: list[str], commands: dict[str, dict[str, str]]) -> list[OnlineResult]:
+    """On each model file in turn: radixlm's server (its defaults; on the embedded file then with fp32
+    weights), then llama-server (its defaults, one slot per stream), each alone on the machine."""
     results: list[OnlineResult] = []
-    for system, extra in (("radixlm", ()), ("radixlm fp32", ONLINE_FP32)):
-        port = free_port()
-        command = [sys.executable, "-m", "radixlm.runtime.cli", "serve", "--port", str(port), *extra]
-        commands[system] = shlex.join(command)
-        with serving(system, command, port) as url:
-            results += run_online(system, url, workloads)
-    if "llama.cpp" in systems and llama_binary:
-        port = free_port()
-        llama = llama_server_command(llama_binary, gguf, port, max(w.concurrency for w in workloads), 2048)
-        commands["llama.cpp"] = shlex.join(llama)
-        try:
-            with serving("llama.cpp", llama, port) as url:
-                results += run_online("llama.cpp", url, workloads)
-        except RuntimeError as e:  # e.g. a crash in its CPU kernels: radixlm's rows still stand
-            notes.append(f"online llama.cpp rows skipped: {e}")
-            print(notes[-1], flush=True)
+    for model, path in models.items():
+        commands[model] = {}
+        for system, extra in (("radixlm", ()), ("radixlm fp32", ONLINE_FP32)):
+            if "radixlm" not in systems or (extra and model != EMBEDDED):
+                continue
+            port = free_port()
+            command = radixlm_serve_command(port, None if model == EMBEDDED else path, *extra)
+            commands[model][system] = shlex.join(command)
+            with serving(system, command, port) as url:
+                results += run_online(system, url, workloads, model)
+        if "llama.cpp" in systems and llama_binary:
+            port = free_port()
+            llama = llama_server_command(llama_binary, path, port, max(w.concurrency for w in workloads), 2048)
+            commands[model]["llama.cpp"] = shlex.join(llama)
+            try:
+                with serving("llama.cpp", llama, port) as url:
+                    results += run_online("llama.cpp", url, workloads, model)
+            except RuntimeError as e:  # e.g. a crash in its CPU kernels: radixlm's rows still stand
+                notes.append(f"online llama.cpp rows on {model} skipped: {e}")
+                print(notes[-1], flush=True)
     return results
 
 
@@ -577,29 +605,40 @@ def cpu_description() -> str:
     return f"{model}; features {' '.join(features) or 'none of ' + ' '.join(FEATURES)}"
 
 
+def by_model(online: list[OnlineResult]) -> dict[str, dict[tuple[str, str], OnlineResult]]:
+    """Each model's results by (workload, system)."""
+    out: dict[str, dict[tuple[str, str], OnlineResult]] = defaultdict(dict)
+    for r in online:
+        out[r.model][(r.workload, r.system)] = r
+    return out
+
+
 def online_report(online: list[OnlineResult], workloads: list[OnlineWorkload], meta: dict[str, Any]) -> list[str]:
-    by = {(r.workload, r.system): r for r in online}
     lines = ["## Online: `radixlm bench serve` at fixed concurrency", "",
-             f"CPU: {meta['cpu']}. llama.cpp: {meta.get('llama_cpp_version') or 'not run'}.", ""]
-    lines += [f"- {system}: `{command}`" for system, command in meta["online_commands"].items()]
-    lines += ["", "Each server alone on the machine, warmed up, then each workload through bench serve's OpenAI "
-              "client: `/v1/completions`, token-id prompts, streamed, greedy, `ignore_eos`. The ratio is "
-              "radixlm's over llama.cpp's output tok/s (request/s for shared-prompts).", "",
-              "| workload | what | system | output tok/s | request/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
-              "TPOT p99 ms | cache hit | radixlm / llama.cpp | note |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for w in workloads:
-        for system in ONLINE_SYSTEMS:
-            r = by.get((w.name, system))
-            if r is None:
-                continue
-            s, ttft, tpot = r.summary, r.summary["ttft_ms"], r.summary["tpot_ms"]
-            speedup = online_ratio(by, w.name, w.compared) if system == "radixlm" else None
-            lines.append(f"| {w.name} | {w.description} | {system} | {s['output_tok_s']:.1f} | "
-                         f"{s['request_throughput']:.2f} | {ttft['p50']:.1f} | {ttft['p99']:.1f} | {tpot['p50']:.1f} | "
-                         f"{tpot['p99']:.1f} | {pct(s['cache_hit_rate'])} | "
-                         f"{'-' if speedup is None else f'{speedup:.2f}x'} | {r.note} |")
-    return lines + [""]
+             f"CPU: {meta['cpu']}. llama.cpp: {meta.get('llama_cpp_version') or 'not run'}.", "",
+             "Each server alone on the machine, warmed up, then each workload through bench serve's OpenAI "
+             "client: `/v1/completions`, token-id prompts, streamed, greedy, `ignore_eos`. The ratio is "
+             "radixlm's over llama.cpp's output tok/s (request/s for shared-prompts).", ""]
+    for model, by in by_model(online).items():
+        path = meta["online_models"][model]
+        lines += [f"### {model}: {os.path.basename(path)}, {os.path.getsize(path) / 1e6:.0f} MB", ""]
+        lines += [f"- {system}: `{command}`" for system, command in meta["online_commands"][model].items()]
+        lines += ["", "| workload | what | system | output tok/s | request/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
+                  "TPOT p99 ms | cache hit | radixlm / llama.cpp | note |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for w in workloads:
+            for system in ONLINE_SYSTEMS:
+                r = by.get((w.name, system))
+                if r is None:
+                    continue
+                s, ttft, tpot = r.summary, r.summary["ttft_ms"], r.summary["tpot_ms"]
+                speedup = online_ratio(by, w.name, w.compared) if system == "radixlm" else None
+                lines.append(f"| {w.name} | {w.description} | {system} | {s['output_tok_s']:.1f} | "
+                             f"{s['request_throughput']:.2f} | {ttft['p50']:.1f} | {ttft['p99']:.1f} | {tpot['p50']:.1f} | "
+                             f"{tpot['p99']:.1f} | {pct(s['cache_hit_rate'])} | "
+                             f"{'-' if speedup is None else f'{speedup:.2f}x'} | {r.note} |")
+        lines.append("")
+    return lines
 
 
 # ---- report ------------------------------------------------------------------------------------------
@@ -614,16 +653,17 @@ def pct(x: float | None) -> str:
 
 def report(results: list[Result], workloads: list[Workload], online_results: list[OnlineResult],
            online: list[OnlineWorkload], meta: dict[str, Any]) -> str:
+    offline_model = ("SmolLM2-135M-Instruct (radixlm and HF: fp32 from the Q4_1 GGUF; llama.cpp: Q4_1 itself), "
+                     if results else "")
     lines = [f"# radixlm benchmarks{' (quick)' if meta['quick'] else ''}", "",
-             f"`{meta['command']}` — {meta['date']}, {meta['machine']}, SmolLM2-135M-Instruct "
-             f"(radixlm and HF: fp32 from the Q4_1 GGUF; llama.cpp: Q4_1 itself), load average "
+             f"`{meta['command']}` — {meta['date']}, {meta['machine']}, {offline_model}load average "
              f"{meta['load_before']:.1f} before, {meta['load_after']:.1f} after.", ""]
     if results:
         lines += offline_report(results, workloads)
     if online_results:
         lines += online_report(online_results, online, meta)
     by = {(r.workload, r.system): r for r in results}
-    lines += [*targets(by, {(r.workload, r.system): r for r in online_results}), "", *meta["notes"]]
+    lines += [*targets(by, by_model(online_results)), "", *meta["notes"]]
     return "\n".join(lines) + "\n"
 
 
@@ -655,9 +695,11 @@ def offline_report(results: list[Result], workloads: list[Workload]) -> list[str
     return lines + [""]
 
 
-def targets(by: dict[tuple[str, str], Result], online: dict[tuple[str, str], OnlineResult]) -> list[str]:
-    """Issue 7's targets and the online section's, met or not, from this run's numbers."""
+def targets(by: dict[tuple[str, str], Result], models: dict[str, dict[tuple[str, str], OnlineResult]]) -> list[str]:
+    """Issue 7's targets and the online section's on the embedded file, issue 46's on any other file
+    (the sizes people run), met or not, from this run's numbers."""
     out = ["Targets:"]
+    online = models.get(EMBEDDED, {})
 
     def check(label: str, value: float | None, goal: float, fmt: str, higher: bool = True) -> None:
         if value is None:
@@ -677,6 +719,16 @@ def targets(by: dict[tuple[str, str], Result], online: dict[tuple[str, str], Onl
     nocache = speedup("no-sharing", "radixlm no-cache")
     check("radix cache overhead with no sharing (wall, cache on / off - 1)",
           None if nocache is None else 1 / nocache - 1, 0.01, "{:+.1%}", higher=False)
+    for model, other in models.items():
+        if model != EMBEDDED:
+            check(f"{model}: online one stream, output tok/s vs llama.cpp",
+                  online_ratio(other, "one-stream", "output_tok_s"), 1.3, "{:.2f}x")
+            check(f"{model}: online no sharing, 32 streams, output tok/s vs llama.cpp",
+                  online_ratio(other, "no-sharing", "output_tok_s"), 2.0, "{:.2f}x")
+            check(f"{model}: online shared prompts, request/s vs llama.cpp",
+                  online_ratio(other, "shared-prompts", "request_throughput"), 4.0, "{:.2f}x")
+    if models and not online:
+        return out
     check("online no sharing, 32 streams, output tok/s vs llama.cpp", online_ratio(online, "no-sharing", "output_tok_s"),
           1.5, "{:.2f}x")
     pair = online_pair(online, "no-sharing")
@@ -785,6 +837,10 @@ def main() -> None:
     ap.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma-separated systems (default: all)")
     ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results[/quick])")
     ap.add_argument("--replot", action="store_true", help="redraw the plots from the folder's summary.json, run nothing")
+    ap.add_argument("--models", default=EMBEDDED,
+                    help=f"the online section's files, comma-separated: {EMBEDDED!r} (the embedded file), names "
+                         "make_models.py writes (e.g. 1b-q4_0, 8b-q4_k_m) or GGUF paths (default: %(default)s)")
+    ap.add_argument("--models-dir", default=DEFAULT_FOLDER, help="where make_models.py wrote them (default: %(default)s)")
     args = ap.parse_args()
     if args.replot:
         replot(args.out or os.path.join(HERE, "results", *(["quick"] if args.quick else [])))
@@ -795,8 +851,13 @@ def main() -> None:
     online = online_workloads(args.quick) if not only or ONLINE in only else []
     systems = args.systems.split(",")
     unknown = set(systems) - set(ALL_SYSTEMS)
-    if unknown or "radixlm" not in systems:
-        ap.error(f"systems are {ALL_SYSTEMS} and must include radixlm (the baselines replay its trace); got {systems}")
+    if unknown or ("radixlm" not in systems and workloads):
+        ap.error(f"systems are {ALL_SYSTEMS} and must include radixlm (the baselines replay its trace) unless only "
+                 f"the online section runs; got {systems}")
+    try:
+        models = {model: resolve(model, args.models_dir) for model in args.models.split(",")}
+    except (FileNotFoundError, ValueError) as e:
+        ap.error(str(e))
     out_dir = args.out or os.path.join(HERE, "results", *(["quick"] if args.quick else []))
     os.makedirs(out_dir, exist_ok=True)
     load_before = os.getloadavg()[0]
@@ -848,15 +909,15 @@ def main() -> None:
                 server.close()
 
     online_results: list[OnlineResult] = []
-    commands: dict[str, str] = {}
+    commands: dict[str, dict[str, str]] = {}
     meta = {"command": shlex.join(["python", "benchmarks/run_all.py", *sys.argv[1:]]),
             "date": time.strftime("%Y-%m-%d %H:%M"), "quick": args.quick, "notes": notes,
             "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__} with {torch.get_num_threads()} threads",
             "cpu": cpu_description(), "llama_cpp_version": llama_cpp_version(binary) if binary else None,
-            "online_commands": commands, "load_before": load_before}
+            "online_commands": commands, "online_models": models, "load_before": load_before}
     if online:
         print(f"CPU: {meta['cpu']}\nllama.cpp: {meta['llama_cpp_version'] or 'not run'}", flush=True)
-        online_results = online_section(online, systems, path, binary, notes, commands)
+        online_results = online_section(online, systems, models, binary, notes, commands)
     meta["load_after"] = os.getloadavg()[0]
     text = report(results, workloads, online_results, online, meta)
     stem = "summary" if results else "online"  # an online-only run leaves the full run's summary alone

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -184,3 +185,109 @@ def test_kv_tier_quick():
     cached = {name: int(cells.split(" | ")[3]) for name, cells in rows.items()}
     assert cached["with the tier"] > cached["without the tier"], cached  # the restart and evictions cost it nothing
     assert re.search(r"^tier: [1-9]\d* turns read [1-9]\d* tokens back", done.stdout, re.M), done.stdout
+
+
+def _make_models():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_models", os.path.join(ROOT, "benchmarks", "make_models.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["make_models"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_make_models_k_blocks_decode_with_gguf():
+    """make_models' own Q4_K and Q6_K encoders (gguf has none) against gguf's decoder: each block's
+    values come back within their step (a wrong layout of codes, scales or mins would not)."""
+    import gguf
+
+    make_models = _make_models()
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((8, 1024)) * 0.02).astype(np.float32)
+    x[0, :256] = np.abs(x[0, :256])  # a block with no negative value: its min is 0
+    x[1, :256] = 0  # a zero block: scales 0, codes 0
+    x[2, :256] *= 50  # a block far from the rest
+    for qtype, sub, rms in ((gguf.GGMLQuantizationType.Q4_K, 32, 0.1), (gguf.GGMLQuantizationType.Q6_K, 16, 0.03)):
+        blocks = make_models.quantize(x, qtype)
+        assert blocks.shape == (8, 1024 // 256 * gguf.GGML_QUANT_SIZES[qtype][1])
+        back = gguf.quants.dequantize(blocks, qtype).reshape(x.shape)
+        groups, err = x.reshape(-1, sub), np.abs(back - x).reshape(-1, sub)
+        span = groups.max(1) - np.minimum(groups.min(1), 0)  # a sub-block's range: 15 (Q4_K) or 63 (Q6_K) steps
+        assert (err.max(1) <= span / (15 if sub == 32 else 31) + 1e-6).all(), qtype
+        assert np.sqrt(((back - x)[3:] ** 2).mean()) < rms * 0.02, qtype  # past the odd rows: N(0, 0.02)
+        assert (back[1, :256] == 0).all(), qtype
+
+
+def test_make_models_q4_k_m_layers():
+    """The layers whose attn_v and ffn_down Q4_K_M gives Q6_K, as llama.cpp's use_more_bits picks them
+    (the first and last eighth, and every third from the eighth's end + 2), listed by hand."""
+    make_models = _make_models()
+    for layers, picked in ((16, {0, 1, 4, 7, 10, 13, 14, 15}),
+                           (32, {0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31})):
+        assert {i for i in range(layers) if make_models.use_more_bits(i, layers)} == picked, layers
+
+
+def test_make_models_tiny(tmp_path):
+    """make_models' generator on the tiny shapes: llama.cpp's tensor types for each file type, the
+    weights' scale, and a forward pass through HF transformers' GGUF reader with finite, sane logits.
+    (Written without the tokenizer's keys: each GGUF read parses its 49,152 tokens and merges in
+    Python, seconds a read; test_make_models_cli copies them.)"""
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    make_models = _make_models()
+    paths = {m: str(tmp_path / make_models.file_name(m)) for m in ("tiny-q4_0", "tiny-q4_k_m", "tiny-moe-q4_k_m")}
+    for model, path in paths.items():
+        make_models.write_model(model, path, 0, tokenizer=[])
+    readers = {m: gguf.GGUFReader(path) for m, path in paths.items()}
+    types = {m: {t.name: t.tensor_type.name for t in r.tensors} for m, r in readers.items()}
+    # llama.cpp's rules (src/llama-quant.cpp): the output table Q6_K, and a tied token_embd with it;
+    # under Q4_K_M, attn_v and ffn_down Q6_K in the layers use_more_bits picks (of 2: the last)
+    q4_0, k_m, moe = types["tiny-q4_0"], types["tiny-q4_k_m"], types["tiny-moe-q4_k_m"]
+    assert (q4_0["token_embd.weight"], q4_0["blk.1.attn_v.weight"], q4_0["blk.1.ffn_down.weight"],
+            q4_0["rope_freqs.weight"], q4_0["blk.0.attn_norm.weight"]) == ("Q6_K", "Q4_0", "Q4_0", "F32", "F32")
+    assert (k_m["token_embd.weight"], k_m["blk.0.attn_q.weight"], k_m["blk.0.attn_v.weight"], k_m["blk.1.attn_v.weight"],
+            k_m["blk.0.ffn_down.weight"], k_m["blk.1.ffn_down.weight"]) == ("Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q6_K")
+    assert (moe["token_embd.weight"], moe["output.weight"], moe["blk.1.ffn_down_exps.weight"],
+            moe["blk.0.ffn_gate_inp.weight"]) == ("Q4_K", "Q6_K", "Q6_K", "F32")
+    assert readers["tiny-q4_k_m"].fields["general.file_type"].contents() == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    for t in readers["tiny-q4_k_m"].tensors:
+        if t.name.endswith("norm.weight"):
+            assert (t.data == 1).all(), t.name
+        elif t.name != "rope_freqs.weight":
+            values = gguf.quants.dequantize(t.data, t.tensor_type)
+            assert abs(values.std() - 0.02) < 0.002 and abs(values.mean()) < 0.001, t.name
+
+    ids = torch.tensor([[1, 100, 2000, 30000, 5, 6, 7, 8]])
+    for model in ("tiny-q4_k_m", "tiny-moe-q4_k_m"):  # Q4_0 is gguf's own quantizer
+        hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=os.path.basename(paths[model]),
+                                                  dtype=torch.float32)
+        with torch.no_grad():
+            logits = hf(ids).logits
+        # the final norm's output has unit scale, the head N(0, 0.02) rows of 256: logits' std ~0.32
+        assert torch.isfinite(logits).all() and 0.2 < logits.std().item() < 0.5, (model, logits.std())
+
+
+def test_make_models_cli(tmp_path):
+    """The command writes a file with SmolLM2's tokenizer keys, and a rerun skips it (same spec)."""
+    import gguf
+
+    from radixlm.runtime.model_config import default_model_path
+
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "make_models.py"), "--models", "tiny-q4_0",
+               "--out", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (path,) = tmp_path.glob("*.gguf")
+    ours, smol = (gguf.GGUFReader(str(p)).fields for p in (path, default_model_path()))
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.eos_token_id", "tokenizer.chat_template"):
+        assert ours[key].contents() == smol[key].contents(), key
+    assert ours["tokenizer.ggml.tokens"].contents() == smol["tokenizer.ggml.tokens"].contents()
+    mtime = path.stat().st_mtime_ns
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "exists with the same spec" in again.stdout, again.stdout
+    assert path.stat().st_mtime_ns == mtime
+    make_models = _make_models()  # another seed is another spec: that file would be written again
+    assert make_models.existing_spec(str(path)) == make_models.spec("tiny-q4_0", 0) != make_models.spec("tiny-q4_0", 1)
