@@ -17,36 +17,26 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-# Architectures the Llama-family model class serves, by HF `architectures` name.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "GraniteForCausalLM", "Olmo2ForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM",
-                           "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM",
-                           "Qwen2MoeForCausalLM", "GptOssForCausalLM")
-# GGUF `general.architecture` -> HF architecture.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                      "phi3": "Phi3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "gpt-oss": "GptOssForCausalLM"}
-# llama.cpp's SmolLM3 leaves rotary out of every 4th layer; no GGUF key says so (it is fixed there)
-SMOLLM3_NO_ROPE_STEP = 4
-# Gemma's global layers, one in every this many (the rest slide), as HF's defaults and llama.cpp's
-# fixed patterns have them; and Gemma 3's sliding layers' rotary base (unscaled)
-GEMMA_GLOBAL_EVERY = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
-GEMMA3_LOCAL_ROPE_THETA = 10000.0
-# llama.cpp scales a Gemma 27B's attention by its hidden size per head, not its head_dim (its
-# 27B is told by the layer count); HF's checkpoints say so in query_pre_attn_scalar
-GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+from radixlm.runtime.families import BY_HF_NAME, GGUF_ARCHITECTURES, SUPPORTED_ARCHITECTURES, Family, gguf_family
+
 # HF activation names -> ours
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # gpt-oss's experts: a SwiGLU with its inputs clamped (gate below `limit`, up within +-`limit`),
 # the gate's sigmoid sharpened by `alpha`, and up offset by 1; its defaults, where a file names none
 GPT_OSS_SWIGLU = {"alpha": 1.702, "limit": 7.0}
-# llama.cpp's gpt-oss: layers alternate sliding (even) and global (odd), as HF's defaults have them
-GPT_OSS_GLOBAL_EVERY = 2
 
 
 class UnsupportedModelError(ValueError):
     pass
+
+
+def hf_family(architecture: str) -> Family:
+    """The family of HF architecture name `architecture`, or an error naming those we serve."""
+    if architecture not in BY_HF_NAME:
+        raise UnsupportedModelError(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return BY_HF_NAME[architecture]
 
 
 @dataclass
@@ -117,10 +107,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"architecture {self.architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        hf_family(self.architecture)
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.qk_norm not in ("", "head", "projection"):
@@ -173,13 +160,13 @@ class ModelConfig:
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), archs[0] if archs else "<none>")
+        family = hf_family(arch)
         heads = cfg["num_attention_heads"]
         layers = cfg["num_hidden_layers"]
         eos = cfg.get("eos_token_id")
-        gemma = arch in GEMMA_GLOBAL_EVERY
         rope_scaling = cfg.get("rope_scaling") or None
         rope_theta = cfg.get("rope_theta")
-        local_theta = cfg.get("rope_local_base_freq") if arch == "Gemma3ForCausalLM" else None
+        local_theta = cfg.get("rope_local_base_freq") if family.local_rope_theta is not None else None
         params = cfg.get("rope_parameters")  # transformers >= 5 keeps theta and scaling here
         if isinstance(params, dict) and "full_attention" in params:  # ... per layer type (Gemma 3)
             local = params.get("sliding_attention") or {}
@@ -197,35 +184,30 @@ class ModelConfig:
             rope_scaling = _longrope(rope_scaling, cfg)
         elif rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "yarn":
             rope_scaling = _yarn(rope_scaling, cfg.get("max_position_embeddings"))
-        if arch == "Gemma3ForCausalLM" and local_theta is None:
-            local_theta = GEMMA3_LOCAL_ROPE_THETA
+        if local_theta is None:
+            local_theta = family.local_rope_theta
         if cfg.get("mlp_bias"):
             raise UnsupportedModelError(f"{arch} with mlp_bias is not supported (no bias on the MLP projections)")
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
         if act not in ACTIVATIONS:
             raise UnsupportedModelError(f"activation {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
         rope_layers = None
-        if arch == "SmolLM3ForCausalLM" and cfg.get("no_rope_layers") is not None:
+        if family.no_rope_every and cfg.get("no_rope_layers") is not None:
             # HF's name reads backwards: entry i is 1 where layer i *uses* rotary
             rope_layers = [bool(x) for x in cfg["no_rope_layers"]]
             rope_layers = None if all(rope_layers) else rope_layers
-        window, sliding = cls._hf_sliding(cfg, arch, layers)
-        granite = arch == "GraniteForCausalLM"
-        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        window, sliding = cls._hf_sliding(cfg, family, layers)
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0) if family.moe else 0
         moe_layers = None
-        gpt_oss = arch == "GptOssForCausalLM"
-        if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+        if family.moe_keys:
             step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or [])
             moe_layers = [i not in dense and (i + 1) % step == 0 for i in range(layers)]
             moe_layers = None if all(moe_layers) else moe_layers
-        elif arch not in ("MixtralForCausalLM", "GptOssForCausalLM"):
-            experts = 0  # (another family's config naming experts is not one we serve as such)
-        if gemma:
+        attention_multiplier = None
+        if family.query_pre_attn_scalar:
             attention_multiplier = float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 1) ** -0.5
-        elif granite and "attention_multiplier" in cfg:
+        elif family.multipliers and "attention_multiplier" in cfg:
             attention_multiplier = float(cfg["attention_multiplier"])
-        else:
-            attention_multiplier = None
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -238,63 +220,59 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", arch in ("Qwen2ForCausalLM",
-                                                                                    "Qwen2MoeForCausalLM")))),
-            output_bias=gpt_oss and bool(cfg.get("attention_bias", True)),
-            attention_sinks=gpt_oss,
-            qk_norm={"Qwen3ForCausalLM": "head", "Olmo2ForCausalLM": "projection", "Gemma3ForCausalLM": "head",
-                     "Qwen3MoeForCausalLM": "head"}.get(arch, ""),
-            post_norm=arch == "Olmo2ForCausalLM",
-            embedding_multiplier=(float(cfg.get("embedding_multiplier", 1.0)) if granite
-                                  else float(cfg["hidden_size"]) ** 0.5 if gemma else 1.0),
-            residual_multiplier=float(cfg.get("residual_multiplier", 1.0)) if granite else 1.0,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family.tied_embeddings)),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", family.qkv_bias))),
+            output_bias=family.output_bias and bool(cfg.get("attention_bias", True)),
+            attention_sinks=family.attention_sinks,
+            qk_norm=family.qk_norm,
+            post_norm=family.post_norm,
+            embedding_multiplier=(float(cfg.get("embedding_multiplier", 1.0)) if family.multipliers
+                                  else float(cfg["hidden_size"]) ** 0.5 if family.scaled_embeddings else 1.0),
+            residual_multiplier=float(cfg.get("residual_multiplier", 1.0)) if family.multipliers else 1.0,
             attention_multiplier=attention_multiplier,
-            logits_scaling=float(cfg.get("logits_scaling", 1.0)) if granite else 1.0,
+            logits_scaling=float(cfg.get("logits_scaling", 1.0)) if family.multipliers else 1.0,
             rope_layers=rope_layers,
             rope_scaling=rope_scaling,
             partial_rotary_factor=partial,
             sliding_window=window,
             sliding_layers=sliding,
-            sandwich_norm=gemma,
-            hidden_act="swiglu_clamped" if gpt_oss else ACTIVATIONS[act],
+            sandwich_norm=family.sandwich_norm,
+            # an activation HF has no name for (gpt-oss's clamped SwiGLU: its config says silu) is the family's
+            hidden_act=ACTIVATIONS[act] if family.hidden_act in ACTIVATIONS.values() else family.hidden_act,
             swiglu_alpha=float(cfg.get("swiglu_alpha", GPT_OSS_SWIGLU["alpha"])),
             swiglu_limit=float(cfg.get("swiglu_limit", GPT_OSS_SWIGLU["limit"])),
-            norm_weight_offset=1.0 if gemma else 0.0,
-            attn_softcap=cfg.get("attn_logit_softcapping") if gemma else None,
-            final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
+            norm_weight_offset=family.norm_weight_offset,
+            attn_softcap=cfg.get("attn_logit_softcapping") if family.softcaps is not None else None,
+            final_softcap=cfg.get("final_logit_softcapping") if family.softcaps is not None else None,
             local_rope_theta=float(local_theta) if local_theta is not None else None,
             num_experts=experts,
             experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
             # Qwen3-MoE's experts have their own width; Mixtral's are intermediate_size wide
             moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0,
-            norm_topk_prob=(bool(cfg.get("norm_topk_prob", arch == "Qwen3MoeForCausalLM"))
-                            if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM") else True),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", family.norm_topk_prob)) if family.moe_keys else True,
             moe_layers=moe_layers,
-            moe_router="topk_softmax" if gpt_oss else "softmax_topk",
-            moe_bias=gpt_oss,
-            shared_expert_size=(int(cfg.get("shared_expert_intermediate_size") or 0)
-                                if arch == "Qwen2MoeForCausalLM" else 0),
+            moe_router=family.router,
+            moe_bias=family.moe_bias,
+            shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0) if family.shared_expert else 0,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         )
 
     @staticmethod
-    def _hf_sliding(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | None, list[bool] | None]:
+    def _hf_sliding(cfg: dict[str, Any], family: Family, layers: int) -> tuple[int | None, list[bool] | None]:
         """(window, which layers slide) from a HF config: its `layer_types` where it has them,
-        else each family's rule (Gemma's fixed patterns, Qwen2's layers from max_window_layers
-        on, Mistral's and Phi-3's every layer)."""
+        else the family's rule (`Family.sliding`)."""
         window = cfg.get("sliding_window")
         if "layer_types" in cfg and cfg["layer_types"] is not None:
             sliding = [t == "sliding_attention" for t in cfg["layer_types"]]
-        elif arch in GEMMA_GLOBAL_EVERY:
-            every = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or GEMMA_GLOBAL_EVERY[arch]
+        elif family.sliding == "pattern":
+            every = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or family.global_every
             sliding = [(i + 1) % every != 0 for i in range(layers)]
-        elif arch == "Qwen2ForCausalLM":
+        elif family.sliding == "max_window_layers":
             first = cfg.get("max_window_layers", layers)
             sliding = [bool(cfg.get("use_sliding_window")) and i >= first for i in range(layers)]
         else:
-            sliding = [cfg.get("use_sliding_window", arch in ("MistralForCausalLM", "Phi3ForCausalLM"))] * layers
+            sliding = [cfg.get("use_sliding_window", family.sliding == "all")] * layers
         if not window or not any(sliding):
             return None, None
         return int(window), None if all(sliding) else sliding
@@ -305,37 +283,34 @@ class ModelConfig:
         """`rope_factors`: the file's rotary factor tensors by name: `rope_freqs`, where llama.cpp's
         converter wrote a scaled rotary (Llama 3.1's) as each frequency's divisor, or Phi-3's
         LongRoPE `rope_factors_long` and `rope_factors_short`."""
-        arch_name = meta["general.architecture"]
-        if arch_name not in GGUF_ARCHITECTURES:
+        a = meta["general.architecture"]
+        experts = int(meta.get(f"{a}.expert_count", 0))
+        family = gguf_family(a, experts)
+        if family is None:
             raise UnsupportedModelError(
-                f"GGUF architecture {arch_name!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
+                f"GGUF architecture {a!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
             )
-        a = arch_name
         heads = int(meta[f"{a}.attention.head_count"])
         hidden = int(meta[f"{a}.embedding_length"])
         eos = meta.get("tokenizer.ggml.eos_token_id")
         vocab = meta.get(f"{a}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
         layers = int(meta[f"{a}.block_count"])
-        rope_layers = [(i + 1) % SMOLLM3_NO_ROPE_STEP != 0 for i in range(layers)] if a == "smollm3" else None
-        granite = a == "granite"
-        experts = int(meta.get(f"{a}.expert_count", 0))
-        arch = "MixtralForCausalLM" if a == "llama" and experts else GGUF_ARCHITECTURES[a]  # llama.cpp's Mixtral is a llama
-        gemma = arch in GEMMA_GLOBAL_EVERY
+        rope_layers = [(i + 1) % family.no_rope_every != 0 for i in range(layers)] if family.no_rope_every else None
         head_dim = int(meta.get(f"{a}.attention.key_length", hidden // heads))
         window = sliding = None
+        if family.sliding in ("all", "pattern"):  # as llama.cpp reads these files: its fixed layer patterns
+            window = meta.get(f"{a}.attention.sliding_window") or None
+        if window and family.sliding == "pattern":
+            sliding = [(i + 1) % family.global_every != 0 for i in range(layers)]
         attention_multiplier = None
-        if gemma:  # as llama.cpp reads these files: fixed layer patterns, its scale rule
-            window = meta.get(f"{a}.attention.sliding_window")
-            every = GEMMA_GLOBAL_EVERY[arch]
-            sliding = [(i + 1) % every != 0 for i in range(layers)] if window else None
-            attention_multiplier = (hidden / heads if layers == GEMMA_27B_LAYERS[a] else head_dim) ** -0.5
-        elif granite and f"{a}.attention.scale" in meta:
+        if family.query_pre_attn_scalar:  # llama.cpp's rule: no key says
+            attention_multiplier = (hidden / heads if layers == family.gguf_27b_layers else head_dim) ** -0.5
+        elif family.multipliers and f"{a}.attention.scale" in meta:
             attention_multiplier = float(meta[f"{a}.attention.scale"])
-        elif a == "phi3":  # every layer over its window, where the file gives one
-            window = meta.get(f"{a}.attention.sliding_window") or None
-        elif a == "gpt-oss":
-            window = meta.get(f"{a}.attention.sliding_window") or None
-            sliding = [(i + 1) % GPT_OSS_GLOBAL_EVERY != 0 for i in range(layers)] if window else None
+        # llama.cpp's soft caps where the file has no key
+        attn_cap, final_cap = ((meta.get(f"{a}.attn_logit_softcapping", family.softcaps[0]),
+                                meta.get(f"{a}.final_logit_softcapping", family.softcaps[1]))
+                               if family.softcaps is not None else (None, None))
         rope_scaling = None
         rope_factors = rope_factors or {}
         if "rope_factors_long" in rope_factors:  # Phi-3's LongRoPE
@@ -357,7 +332,7 @@ class ModelConfig:
             raise UnsupportedModelError(f"GGUF rope scaling {meta[f'{a}.rope.scaling.type']!r} is not supported "
                                         "(supported: linear, yarn, and per-frequency factors in rope_freqs)")
         return cls(
-            architecture=arch,
+            architecture=family.hf_name,
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(meta[f"{a}.feed_forward_length"]),
@@ -374,29 +349,25 @@ class ModelConfig:
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             output_bias="blk.0.attn_output.bias" in tensor_names,
             attention_sinks="blk.0.attn_sinks.weight" in tensor_names,
-            qk_norm=("projection" if a == "olmo2" else "head") if "blk.0.attn_q_norm.weight" in tensor_names else "",
-            post_norm=a == "olmo2",
-            embedding_multiplier=(float(meta.get(f"{a}.embedding_scale", 1.0)) if granite
-                                  else float(hidden) ** 0.5 if gemma else 1.0),
-            residual_multiplier=float(meta.get(f"{a}.residual_scale", 1.0)) if granite else 1.0,
+            qk_norm=(family.qk_norm or "head") if "blk.0.attn_q_norm.weight" in tensor_names else "",
+            post_norm=family.post_norm,
+            embedding_multiplier=(float(meta.get(f"{a}.embedding_scale", 1.0)) if family.multipliers
+                                  else float(hidden) ** 0.5 if family.scaled_embeddings else 1.0),
+            residual_multiplier=float(meta.get(f"{a}.residual_scale", 1.0)) if family.multipliers else 1.0,
             attention_multiplier=attention_multiplier,
-            logits_scaling=float(meta.get(f"{a}.logit_scale", 1.0)) if granite else 1.0,
+            logits_scaling=float(meta.get(f"{a}.logit_scale", 1.0)) if family.multipliers else 1.0,
             rope_layers=None if rope_layers is None or all(rope_layers) else rope_layers,
             sliding_window=int(window) if window else None,
             sliding_layers=sliding,
-            sandwich_norm=gemma,
-            hidden_act="gelu_tanh" if gemma else "swiglu_clamped" if a == "gpt-oss" else "silu",
-            attn_softcap=float(meta.get(f"{a}.attn_logit_softcapping", 50.0)) if a == "gemma2" else None,
-            # llama.cpp caps a Gemma 2's logits at 30 where its file has no key, a Gemma 3's not at all
-            final_softcap=(float(meta.get(f"{a}.final_logit_softcapping", 30.0)) if a == "gemma2"
-                           else float(meta[f"{a}.final_logit_softcapping"])
-                           if a == "gemma3" and meta.get(f"{a}.final_logit_softcapping") else None),
-            local_rope_theta=GEMMA3_LOCAL_ROPE_THETA if a == "gemma3" and window else None,
-            # llama.cpp renormalizes the top experts' weights of Qwen3-MoE and Mixtral, not Qwen2-MoE's
+            sandwich_norm=family.sandwich_norm,
+            hidden_act=family.hidden_act,
+            attn_softcap=float(attn_cap) if attn_cap else None,
+            final_softcap=float(final_cap) if final_cap else None,
+            local_rope_theta=family.local_rope_theta if window else None,
             num_experts=experts,
-            norm_topk_prob=a != "qwen2moe",
-            moe_router="topk_softmax" if a == "gpt-oss" else "softmax_topk",
-            moe_bias=a == "gpt-oss",
+            norm_topk_prob=family.norm_topk_prob,
+            moe_router=family.router,
+            moe_bias=family.moe_bias,
             shared_expert_size=int(meta.get(f"{a}.expert_shared_feed_forward_length", 0)) if experts else 0,
             experts_per_token=int(meta.get(f"{a}.expert_used_count", 0)) if experts else 0,
             moe_intermediate_size=(int(meta.get(f"{a}.expert_feed_forward_length", meta[f"{a}.feed_forward_length"]))

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence
 import numpy as np
 import torch
 
+from radixlm.runtime.families import FAMILIES
 from radixlm.runtime.model_config import ModelConfig, ModelSource, gguf_reader
 
 if TYPE_CHECKING:
@@ -258,14 +259,8 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
     "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3's q, k and v in one tensor, as ours
 }
-# where a family's file means another HF tensor by the same name: a Gemma's ffn_norm is the norm
-# before the MLP in a layer that also normalizes each sublayer's output (a Llama's is its
-# post_attention_layernorm); Phi-3's ffn_up holds gate and up in one tensor, as ours
-_GGUF_FAMILY_NAMES = {
-    "Gemma2ForCausalLM": {"ffn_norm.weight": "pre_feedforward_layernorm.weight"},
-    "Gemma3ForCausalLM": {"ffn_norm.weight": "pre_feedforward_layernorm.weight"},
-    "Phi3ForCausalLM": {"ffn_up.weight": "mlp.gate_up_proj.weight"},
-}
+# where a family's file means another HF tensor by the same name (families.py: `gguf_tensor_names`)
+_GGUF_FAMILY_NAMES = {f.hf_name: f.gguf_tensor_names for f in FAMILIES if f.gguf_tensor_names}
 # a mixture of experts' matrices, every expert's stacked in one tensor: [experts, rows, columns]
 # (and gpt-oss's biases: [experts, rows])
 _GGUF_EXPERT_NAMES = {"ffn_gate_exps.weight": "gate_proj.weight", "ffn_up_exps.weight": "up_proj.weight",
@@ -290,9 +285,8 @@ def gguf_to_hf_name(name: str, architecture: str = "LlamaForCausalLM") -> str | 
     return f"model.layers.{m.group(1)}.{hf}" if hf else None
 
 
-# families whose q/k rows llama.cpp's converter permutes (its LlamaModel and the classes built on it)
-PERMUTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM",
-                          "MixtralForCausalLM")
+# families whose q/k rows llama.cpp's converter permutes (families.py: `gguf_permuted_qk`)
+PERMUTED_ARCHITECTURES = tuple(f.hf_name for f in FAMILIES if f.gguf_permuted_qk)
 
 
 def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -111,7 +111,9 @@ RULES = [
     (f"{R}.cache", [f"{R}.worker", f"{R}.scheduler", f"{R}.constrained", f"{R}.tokenizer", f"{R}.server"], []),
     # the scheduler loads the tokenizer (stop strings, grammar vocabularies), nothing else of tokenizer/
     (f"{R}.scheduler", [f"{R}.tokenizer", f"{R}.server", f"{R}.launch"], [f"{R}.tokenizer.loader"]),
-    (f"{R}.model_config", [R + "."], []),  # a leaf: the model's identity needs nothing else of the runtime
+    # leaves: the model families' table needs nothing of the runtime, the model's identity nothing but it
+    (f"{R}.families", [R + "."], []),
+    (f"{R}.model_config", [R + "."], [f"{R}.families"]),
     ("radixlm.kernels", [R], []),
 ]
 

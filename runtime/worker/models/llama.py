@@ -20,6 +20,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from radixlm.runtime.families import FAMILIES
 from radixlm.runtime.worker.forward_batch import ForwardBatch
 from radixlm.runtime.worker.layers import (
     MergedColumnLinear,
@@ -255,19 +256,5 @@ class LlamaForCausalLM(nn.Module):
         return name, 0
 
 
-ARCHITECTURES = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-    "GraniteForCausalLM": LlamaForCausalLM,
-    "Olmo2ForCausalLM": LlamaForCausalLM,
-    "SmolLM3ForCausalLM": LlamaForCausalLM,
-    "Gemma2ForCausalLM": LlamaForCausalLM,
-    "Gemma3ForCausalLM": LlamaForCausalLM,
-    "Qwen3MoeForCausalLM": LlamaForCausalLM,
-    "MixtralForCausalLM": LlamaForCausalLM,
-    "Phi3ForCausalLM": LlamaForCausalLM,
-    "Qwen2MoeForCausalLM": LlamaForCausalLM,
-    "GptOssForCausalLM": LlamaForCausalLM,
-}
+# every family of the table (families.py) is served by this one class
+ARCHITECTURES = {family.hf_name: LlamaForCausalLM for family in FAMILIES}
