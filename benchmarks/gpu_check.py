@@ -79,9 +79,8 @@ def check_correctness(rows: list[str]) -> None:
     k_cache, v_cache = pool(slots)
     t = sum(extend)
     q = torch.randn(t, HEADS, DIM, device=DEVICE, dtype=DTYPE)
-    k, v = (torch.randn(t, KV_HEADS, DIM, device=DEVICE, dtype=DTYPE) for _ in range(2))
-    args = (q, k, v, k_cache, v_cache, table, req_rows, torch.tensor(prefix, device=DEVICE),
-            torch.tensor(extend, device=DEVICE), DIM ** -0.5)
+    args = (q, k_cache, v_cache, table, req_rows, torch.tensor(prefix, device=DEVICE),
+            torch.tensor(extend, device=DEVICE), DIM ** -0.5)  # (the new tokens' K/V: what the pool holds there)
     rows.append(f"| extend | prefix {prefix}, extend {extend} | {rel_err(extend_attention(*args), extend_attention_reference(*args)):.2e} |")
     seq = [1, 40] if DRY else [1, 777, 4096, 8191]
     table, req_rows, slots = paged(seq)
@@ -118,9 +117,9 @@ def time_extend(rows: list[str]) -> None:
         table, req_rows, slots = paged([prefix + n])
         k_cache, v_cache = pool(slots)
         q = torch.randn(n, HEADS, DIM, device=DEVICE, dtype=DTYPE)
-        k, v = (torch.randn(n, KV_HEADS, DIM, device=DEVICE, dtype=DTYPE) for _ in range(2))
+        k, v = (c[table[0, prefix : prefix + n]] for c in (k_cache, v_cache))  # the new tokens' K/V (the SDPA baseline)
         pre, ext = torch.tensor([prefix], device=DEVICE), torch.tensor([n], device=DEVICE)
-        ms = bench_ms(lambda: extend_attention(q, k, v, k_cache, v_cache, table, req_rows, pre, ext, DIM ** -0.5))
+        ms = bench_ms(lambda: extend_attention(q, k_cache, v_cache, table, req_rows, pre, ext, DIM ** -0.5))
         flops = 4 * HEADS * DIM * (n * (n + 1) / 2 + n * prefix)
         ours = flops / (ms * 1e-3)
         baseline = "-"

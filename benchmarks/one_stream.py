@@ -68,7 +68,7 @@ def batch1_bytes(engine: LocalEngine) -> int:
     if not isinstance(table, quant.QuantizedMatrix):
         dense += table.numel() * table.element_size()  # the LM head reads all of it
     codes = sum(q.nbytes for q in quant.served_matrices(model))  # a tied table: its LM head reads it whole
-    kv = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, engine.worker.dtype) * (CONTEXT + 8)
+    kv = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, engine.worker.kv_dtype) * (CONTEXT + 8)
     return dense + codes + kv
 
 

@@ -1,11 +1,13 @@
 """Extend attention: new tokens after a cached prefix (prefill, prefill chunks, jump-forward).
 
-One program per (request, query head, block of the request's new tokens). Its
-queries first attend to the request's cached prefix, read from the paged pool
-through the token table, then, causally, to the request's new tokens, read from
-the step's packed K/V. One online softmax runs across both stages, so a chunk
-of a long prompt (whose prefix is the earlier chunks) costs what its own
-attention costs. Requests of any prefix and extend length share one launch.
+One program per (request, query head, block of the request's new tokens). The
+new tokens' K/V are in the pool already (the backend stores them first), so its
+queries attend to the keys up to the block's last query in one pass through the
+token table, the cached prefix and the new tokens alike, causally, with one
+online softmax: a chunk of a long prompt (whose prefix is the earlier chunks)
+costs what its own attention costs, and a token sees its neighbours' keys as
+the pool holds them (in its type: `common.pool_args`), as every later token will.
+Requests of any prefix and extend length share one launch.
 """
 
 from __future__ import annotations
@@ -14,15 +16,16 @@ import torch
 import triton
 import triton.language as tl
 
-from radixlm.kernels.common import attend_block, block_size, dot_precision, interpreting, load_kv
+from radixlm.kernels.common import attend_block, block_size, dot_precision, head_dim_of, load_kv, pool_args
+from radixlm.kernels.cpu.reference import decode_kv
 
 
 @triton.jit
 def _extend_kernel(
-    q, k_new, v_new, k_cache, v_cache, out, table, rows, prefix_lens, extend_lens, q_starts, scale,
-    stride_qt, stride_qh, stride_nt, stride_nh, stride_cs, stride_ch, stride_ot, stride_oh, stride_t,
+    q, k_cache, v_cache, k_scales, v_scales, out, table, rows, prefix_lens, extend_lens, q_starts, scale,
+    stride_qt, stride_qh, stride_cs, stride_ch, stride_ot, stride_oh, stride_t,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, SCALED: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -47,40 +50,33 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # stage 1: the cached prefix, through the token table
-    for n0 in range(0, prefix, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < prefix
-        slots = tl.load(table + row * stride_t + offs_n, mask=n_mask, other=0)
-        kb, vb = load_kv(k_cache, v_cache, slots[:, None] * stride_cs + kv_head * stride_ch + offs_d[None, :],
-                         n_mask[:, None] & d_mask[None, :], UPCAST)
-        m_i, l_i, acc = attend_block(qv, kb, vb, n_mask[None, :], scale, m_i, l_i, acc, PRECISION)
-
-    # stage 2: the new tokens, causally (keys up to the block's last query)
-    end = tl.minimum(extend, (m_block + 1) * BLOCK_M)
+    # positions 0 .. the block's last query, through the token table; query j sees prefix + j and before
+    end = prefix + tl.minimum(extend, (m_block + 1) * BLOCK_M)
     for n0 in range(0, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        kb, vb = load_kv(k_new, v_new, (q0 + offs_n)[:, None] * stride_nt + kv_head * stride_nh + offs_d[None, :],
-                         n_mask[:, None] & d_mask[None, :], UPCAST)
-        causal = (offs_n[None, :] <= offs_m[:, None]) & n_mask[None, :]
-        m_i, l_i, acc = attend_block(qv, kb, vb, causal, scale, m_i, l_i, acc, PRECISION)
+        slots = tl.load(table + row * stride_t + offs_n, mask=n_mask, other=0)
+        rows_at = slots * stride_cs + kv_head * stride_ch
+        kb, vb = load_kv(k_cache, v_cache, rows_at[:, None] + offs_d[None, :], n_mask[:, None] & d_mask[None, :],
+                         UPCAST, k_scales, v_scales, (rows_at + HEAD_DIM) // 4, n_mask, SCALED)
+        visible = (offs_n[None, :] <= prefix + offs_m[:, None]) & n_mask[None, :]
+        m_i, l_i, acc = attend_block(qv, kb, vb, visible, scale, m_i, l_i, acc, PRECISION)
 
     result = acc / l_i[:, None]
     tl.store(out + (q0 + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              result.to(out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
-def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
-                     extend_lens: torch.Tensor, scale: float, *, max_extend_len: int | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, heads, d] and k_new/v_new [T, kv_heads, d]: the new tokens of every request, packed in
-    request order (extend_lens[b] each). Token j of request b sits at position prefix_lens[b] + j
-    and sees the prefix (caches [slots, kv_heads, d] through table[rows[b]]) and new tokens 0..j."""
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                     rows: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor, scale: float, *,
+                     max_extend_len: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, heads, d]: the new tokens of every request, packed in request order (extend_lens[b]
+    each). Token j of request b sits at position prefix_lens[b] + j and sees positions 0..that
+    through table[rows[b]] in the caches [slots, kv_heads, row] (any KV type), its request's new
+    tokens' K/V already stored there."""
     tokens, heads, dim = q.shape
-    kv_heads = k_new.shape[1]
-    assert heads % kv_heads == 0 and q.stride(2) == 1 and k_new.stride(2) == 1 and k_cache.stride(2) == 1
+    kv_heads = k_cache.shape[1]
+    assert heads % kv_heads == 0 and q.stride(2) == 1 and k_cache.stride(2) == 1 and head_dim_of(k_cache) == dim
     batch = extend_lens.shape[0]
     q_starts = torch.cumsum(extend_lens, 0) - extend_lens
     if max_extend_len is None:
@@ -88,29 +84,29 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     block_m, block_n = block_size(64), block_size(64)
     out = torch.empty_like(q) if out is None else out
     grid = (batch, heads, triton.cdiv(max_extend_len, block_m))
+    pools = pool_args(k_cache, v_cache, q)
     _extend_kernel[grid](
-        q, k_new, v_new, k_cache, v_cache, out, table, rows, prefix_lens, extend_lens, q_starts, scale,
-        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), k_cache.stride(0), k_cache.stride(1),
-        out.stride(0), out.stride(1), table.stride(0),
-        GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(dim), UPCAST=interpreting() or q.dtype == torch.float32,
+        q, k_cache, v_cache, pools["k_scales"], pools["v_scales"], out, table, rows, prefix_lens, extend_lens,
+        q_starts, scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), out.stride(0), out.stride(1),
+        table.stride(0), GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(dim), UPCAST=pools["UPCAST"], SCALED=pools["SCALED"],
         PRECISION=dot_precision(q.dtype),
     )
     return out
 
 
-def extend_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                               v_cache: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
-                               prefix_lens: torch.Tensor, extend_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def extend_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                               rows: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
     """The same, one request at a time, in fp32, with an explicit causal mask."""
-    group = q.shape[1] // k_new.shape[1]
+    group = q.shape[1] // k_cache.shape[1]
     out = torch.empty_like(q)
     start = 0
     for b in range(extend_lens.shape[0]):
         prefix, extend = int(prefix_lens[b]), int(extend_lens[b])
-        slots = table[rows[b], :prefix]
-        k = torch.cat([k_cache[slots], k_new[start:start + extend]]).float().repeat_interleave(group, dim=1)
-        v = torch.cat([v_cache[slots], v_new[start:start + extend]]).float().repeat_interleave(group, dim=1)
+        slots = table[rows[b], : prefix + extend]
+        k = decode_kv(k_cache[slots]).repeat_interleave(group, dim=1)
+        v = decode_kv(v_cache[slots]).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:start + extend].float(), k) * scale
         visible = torch.arange(prefix + extend)[None, :] <= prefix + torch.arange(extend)[:, None]
         scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))

@@ -23,8 +23,9 @@ def _store_kernel(k_cache, v_cache, k_new, v_new, slots, stride_cs, stride_ch, s
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> None:
-    """k_cache[slots[i]] = k[i] (and v): caches [slots, kv_heads, d] of any slot and head strides (the
-    pool is head-major), k/v [T, kv_heads, d]; the head dimension contiguous everywhere."""
+    """k_cache[slots[i]] = k[i] (and v): caches [slots, kv_heads, row] of any slot and head strides
+    (the pool is head-major), k/v [T, kv_heads, row] rows already in the cache's type (the
+    backend's `KVDtype.encode`); the row contiguous everywhere."""
     tokens = slots.numel()
     if tokens == 0:
         return

@@ -14,6 +14,7 @@ from radixlm.runtime.reasoning import reasoning_format
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof")
 ATTENTION_BACKENDS = ("torch", "native", "triton")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8", "fp8_e4m3")  # cache/kv_pool.py's KV_DTYPES, and auto
 QUANT_GROUP_SIZES = (32, 64, 128, 256)
 GRAMMAR_BACKENDS = ("outlines", "llguidance", "xgrammar")
 SPECULATIVE_METHODS = ("off", "auto", "ngram", "radix", "draft")
@@ -34,6 +35,12 @@ class ServerArgs:
                 "CPU only"})
     quantization_group_size: int = field(default=32, metadata={
         "help": "columns per int4 scale and zero point for --quantization int4 (32, 64, 128 or 256)"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "the KV cache's element type: auto (16 bits: on a CPU fp16 where it has F16C, every AVX2 CPU, else "
+                "bf16, but fp32 where the weights are served exactly in fp32, --quantization none or a dense "
+                "checkpoint, so that serving stays HF's arithmetic; on CUDA the model's dtype), fp32, fp16, bf16, "
+                "int8 (a scale per row: a quarter of fp32's bytes and 4 more a row) or fp8_e4m3 (GPUs only: the "
+                "triton and torch backends)"})
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
     context_length: int | None = field(default=None, metadata={"help": "cap the model's context length"})
     page_size: int = field(default=0, metadata={"help": "tokens per KV page (0: 1 on CPU, 16 on CUDA)"})
@@ -139,6 +146,8 @@ class ServerArgs:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.quantization_group_size not in QUANT_GROUP_SIZES:
             raise ValueError(f"quantization_group_size must be one of {QUANT_GROUP_SIZES}, "
                              f"got {self.quantization_group_size}")

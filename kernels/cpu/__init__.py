@@ -124,7 +124,10 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos2: torch.Tensor, s
     """Rotary on the q and k heads of qkv [t, (heads + 2 kv_heads) d] float32, in place ("rotate
     half": x_i cos_i - x_{i+d/2} sin_i, x_{i+d/2} cos_{i+d/2} + x_i sin_{i+d/2}, with cos2 / sin2
     [positions, d] the full-width tables at `positions` [t] int64), then each token's k and v
-    written to the head-major pools [kv_heads, slots, d] at `out_slots` [t] int64."""
+    written to the head-major pools at `out_slots` [t] int64, in the pools' type: float32,
+    float16 (saturated at +-65504) or bfloat16 [kv_heads, slots, d], rounded to nearest even; or
+    int8 [kv_heads, slots, d + 4], each row d codes and its fp32 scale's 4 bytes (symmetric, max|x|
+    / 127). `reference.encode_kv` is the same conversion in torch, bit for bit."""
     torch.ops.radixlm.rope_store(qkv, positions, cos2, sin2, k_pool, v_pool, out_slots, heads, kv_heads, isa)
 
 
@@ -132,8 +135,9 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                      rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, isa: int = -1, window: int = 0,
                      softcap: float = 0.0, sinks: torch.Tensor | None = None, exact: bool = True) -> torch.Tensor:
     """Attention of decode row r (q [n, heads d] float32, rows contiguous but may be strided, as
-    qkv's first columns are; already rotated) over its keys in the pools [kv_heads, slots, d],
-    read in place at table[rows[r], :seq_lens[r]] (int64): [n, heads d]. Each (row, query head)
+    qkv's first columns are; already rotated) over its keys in the pools (any type rope_store
+    writes; each element converted to fp32 as it is read, an int8 row's scale applied to its
+    score and its weight), read in place at table[rows[r], :seq_lens[r]] (int64): [n, heads d]. Each (row, query head)
     is one task over its KV head's keys, summed in key order (scores, max, exp and their sum,
     then the weighted values), so a row's output is the same whatever the batch. `window` > 0:
     each row's last `window` keys only; `softcap` > 0: scores capped to softcap * tanh(s / softcap);
@@ -153,7 +157,8 @@ def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     """Attention of the extend rows' new tokens (prefill chunks; K/V already in the pools): row r's
     extend_lens[r] tokens are q's next rows (q [tokens, heads d] float32, rows contiguous but may be
     strided; already rotated), token t at position prefix_lens[r] + t, and it attends the keys at
-    table[rows[r], :prefix_lens[r] + t + 1] (int64), read in place. Into `out` (the same shape,
+    table[rows[r], :prefix_lens[r] + t + 1] (int64), read in place from pools of any type
+    rope_store writes (converted as decode_attention's). Into `out` (the same shape,
     rows may be strided; a new tensor if None), returned. `window`, `softcap`, `sinks`: as
     decode_attention's. The AVX2 and AVX-512 paths take a row's tokens and one KV head's query
     heads together, 64 keys a block, each score summed over d in order and the softmax folded

@@ -42,28 +42,53 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+HALF_MAX = 65504.0
+
+
+def encode_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows x [..., d] float32 as a KV pool of `dtype` stores them (csrc/kv_types.h): float16
+    saturated at +-65504 then rounded to nearest even, bfloat16 rounded to nearest even; int8 as
+    d codes round(x * (127 / max|x|)) and then the row's scale max|x| / 127 in 4 bytes: [..., d + 4]."""
+    if dtype == torch.int8:
+        amax = x.abs().amax(-1, keepdim=True)
+        inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+        codes = torch.round(x * inv).to(torch.int8)
+        return torch.cat([codes, (amax / 127).contiguous().view(torch.int8)], -1)
+    if dtype == torch.float16:
+        x = x.clamp(-HALF_MAX, HALF_MAX)
+    return x.to(dtype)
+
+
+def decode_kv(rows: torch.Tensor) -> torch.Tensor:
+    """A pool's rows [..., row] as float32 [..., d]: an int8 row's codes times its scale."""
+    if rows.dtype == torch.int8:
+        d = rows.shape[-1] - 4
+        return rows[..., :d].float() * rows[..., d:].contiguous().view(torch.float32)
+    return rows.float()
+
+
 def rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor,
                k_pool: torch.Tensor, v_pool: torch.Tensor, out_slots: torch.Tensor, heads: int, kv_heads: int) -> None:
-    d = k_pool.shape[2]
+    d = cos2.shape[1]
     qk = qkv[:, : (heads + kv_heads) * d].view(-1, heads + kv_heads, d)
     cos, sin = cos2[positions][:, None], sin2[positions][:, None]
     x1, x2 = qk.chunk(2, -1)
     qk.copy_(qk * cos + torch.cat([-x2, x1], -1) * sin)
     k = qkv[:, heads * d : (heads + kv_heads) * d].view(-1, kv_heads, d)
     v = qkv[:, (heads + kv_heads) * d :].view(-1, kv_heads, d)
-    k_pool[:, out_slots] = k.transpose(0, 1)
-    v_pool[:, out_slots] = v.transpose(0, 1)
+    k_pool[:, out_slots] = encode_kv(k.transpose(0, 1), k_pool.dtype)
+    v_pool[:, out_slots] = encode_kv(v.transpose(0, 1), v_pool.dtype)
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                      rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int = 0,
                      softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    d = k_pool.shape[2]
+    d = decode_kv(k_pool[:, :1]).shape[2]
     out = []
     for r in range(rows.shape[0]):
         end = int(seq_lens[r])
         slots = table[rows[r], max(0, end - window) if window else 0 : end]
-        keys, values = k_pool[:, slots], v_pool[:, slots]  # [kv_heads, len, d]
+        keys, values = decode_kv(k_pool[:, slots]), decode_kv(v_pool[:, slots])  # [kv_heads, len, d]
         group = q.shape[1] // d // k_pool.shape[0]
         keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)  # [heads, len, d]
         scores = torch.einsum("hd,hkd->hk", q[r].view(-1, d), keys) * scale

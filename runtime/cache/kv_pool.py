@@ -1,11 +1,82 @@
-"""The KV pool: per-layer K and V tensors indexed by slot, and the request -> slot table."""
+"""The KV pool: per-layer K and V tensors indexed by slot, in the pool's element type
+(`--kv-cache-dtype`: `KVDtype`), and the request -> slot table."""
 
 from __future__ import annotations
 
 import math
 import mmap
+from dataclasses import dataclass
 
 import torch
+
+HALF_MAX = 65504.0  # fp16's largest: fp16 rows saturate there (an inf would make a score or a value NaN)
+FP8_MAX = 448.0  # e4m3's largest (it has no inf)
+
+
+@dataclass(frozen=True)
+class KVDtype:
+    """How the pool stores one (slot, KV head)'s K or V row of head_dim values.
+
+    fp32, fp16, bf16 and fp8_e4m3 rows are the values in that type, rounded to nearest even
+    (fp16 and fp8 saturated at their largest); an int8 row is head_dim codes followed by the row's
+    fp32 scale in 4 bytes (symmetric: code = round(x * 127 / max|x|), scale = max|x| / 127), a scale
+    per row and not per page, since a page is written over many steps. Every reader of a pool
+    (the native kernels, the torch and Triton backends) converts rows to the compute dtype as it
+    reads them; the native kernels write rows bitwise as `encode` does (kernels/cpu/csrc/kv_types.h)."""
+
+    name: str  # fp32, fp16, bf16, int8, fp8_e4m3
+    storage: torch.dtype  # the pool tensors' dtype
+    scaled: bool = False  # int8: each row its codes, then its scale
+
+    def row(self, head_dim: int) -> int:
+        """A row's elements of `storage`: head_dim, and for int8 its scale's 4 bytes."""
+        return head_dim + 4 if self.scaled else head_dim
+
+    def head_dim(self, row: int) -> int:
+        return row - 4 if self.scaled else row
+
+    def row_bytes(self, head_dim: int) -> int:
+        return self.row(head_dim) * self.storage.itemsize
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows x [..., head_dim] (any float dtype) as the pool stores them: [..., row] of `storage`."""
+        if self.scaled:
+            x = x.float()
+            amax = x.abs().amax(-1, keepdim=True)
+            inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+            codes = torch.round(x * inv).to(torch.int8)
+            return torch.cat([codes, (amax / 127).contiguous().view(torch.int8)], -1)
+        if self.name == "fp16":
+            x = x.clamp(-HALF_MAX, HALF_MAX)
+        elif self.name == "fp8_e4m3":
+            x = x.clamp(-FP8_MAX, FP8_MAX)
+        return x.to(self.storage)
+
+    def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Stored rows [..., row] as `dtype` [..., head_dim] (rows themselves where no conversion is due)."""
+        if self.scaled:
+            d = self.head_dim(rows.shape[-1])
+            return (rows[..., :d].float() * rows[..., d:].contiguous().view(torch.float32)).to(dtype)
+        return rows if rows.dtype == dtype else rows.to(dtype)
+
+
+KV_DTYPES = {k.name: k for k in (KVDtype("fp32", torch.float32), KVDtype("fp16", torch.float16),
+                                 KVDtype("bf16", torch.bfloat16), KVDtype("int8", torch.int8, scaled=True),
+                                 KVDtype("fp8_e4m3", torch.float8_e4m3fn))}
+_OF_TORCH = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def kv_dtype(of: KVDtype | str | torch.dtype) -> KVDtype:
+    """The KV type named, or the float type whose values a torch dtype holds."""
+    if isinstance(of, KVDtype):
+        return of
+    if isinstance(of, torch.dtype):
+        if of not in _OF_TORCH:
+            raise ValueError(f"a KV pool of {of} values is not supported: {', '.join(KV_DTYPES)}")
+        return KV_DTYPES[_OF_TORCH[of]]
+    if of not in KV_DTYPES:
+        raise ValueError(f"kv cache dtype must be one of {', '.join(KV_DTYPES)}, got {of!r}")
+    return KV_DTYPES[of]
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -21,29 +92,35 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
 
 
 class KVPool:
-    """K/V of every cached token: k[layer][slot] is [kv_heads, head_dim].
+    """K/V of every cached token: k[layer][slot] is [kv_heads, row], a row being head_dim values
+    in the pool's `dtype` (a `KVDtype`; an int8 row also holds its scale).
 
-    Stored head-major (`k_heads[layer]` is [kv_heads, slots, head_dim]) so that one KV head's
+    Stored head-major (`k_heads[layer]` is [kv_heads, slots, row]) so that one KV head's
     keys of a request are contiguous rows once gathered: attention reads them in a batched
     matmul as they lie, with no copy into another layout. `k[layer]` is the slot-major view of
-    the same memory.
+    the same memory. Rows go in through `store` (converted) and come out of a gather through
+    `dtype.decode`.
     """
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: KVDtype | str | torch.dtype, device: torch.device | str) -> None:
         self.num_slots = num_slots
+        self.head_dim = head_dim
+        self.dtype = kv_dtype(dtype)
         # Zeroed, not empty: padded gathers read unused slots, and garbage could hold NaNs
-        # that a masked-out attention weight of 0 would still turn into NaN. On a CPU the zeros
-        # are lazy (`zeroed`): the pool is resident only as far as it has been written.
-        shape = (num_kv_heads, num_slots, head_dim)
-        self.k_heads = [zeroed(shape, dtype, device) for _ in range(num_layers)]
-        self.v_heads = [zeroed(shape, dtype, device) for _ in range(num_layers)]
+        # that a masked-out attention weight of 0 would still turn into NaN (an int8 row of zeros
+        # is zeros: its scale is 0 too). On a CPU the zeros are lazy (`zeroed`): the pool is
+        # resident only as far as it has been written.
+        shape = (num_kv_heads, num_slots, self.dtype.row(head_dim))
+        self.k_heads = [zeroed(shape, self.dtype.storage, device) for _ in range(num_layers)]
+        self.v_heads = [zeroed(shape, self.dtype.storage, device) for _ in range(num_layers)]
         self.k = [t.transpose(0, 1) for t in self.k_heads]
         self.v = [t.transpose(0, 1) for t in self.v_heads]
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer][slots] = k
-        self.v[layer][slots] = v
+        """k, v [T, kv_heads, head_dim] into `slots`, converted to the pool's type."""
+        self.k[layer][slots] = self.dtype.encode(k)
+        self.v[layer][slots] = self.dtype.encode(v)
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         """The K and V of `slots` in every layer, copied out: [2 * layers, kv_heads, len(slots),
@@ -57,12 +134,18 @@ class KVPool:
             v[:, slots] = data[2 * i + 1]
 
     def token_shape(self) -> tuple[int, int, int]:
-        """`gather`'s shape but for the token axis: (2 * layers, kv_heads, head_dim)."""
+        """`gather`'s shape but for the token axis: (2 * layers, kv_heads, row)."""
         return 2 * len(self.k_heads), self.k_heads[0].shape[0], self.k_heads[0].shape[2]
 
+    @property
+    def token_bytes(self) -> int:
+        """What one token's K and V take in this pool: every layer and KV head, scales included."""
+        return 2 * len(self.k_heads) * self.k_heads[0].shape[0] * self.k_heads[0].shape[2] * self.dtype.storage.itemsize
+
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: KVDtype | str | torch.dtype) -> int:
+        """A token's K and V in every layer and KV head, scales included."""
+        return 2 * num_layers * num_kv_heads * kv_dtype(dtype).row_bytes(head_dim)
 
 
 class ReqToTokenTable:

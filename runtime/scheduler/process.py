@@ -200,7 +200,7 @@ class SchedulerProcess:
                 "context_length": s.context_length,
                 "speculative_stats": s.speculator.stats() if s.speculator is not None else None,
                 "kv_tier": s.kv.tier.store.info() if s.kv.tier is not None else None,
-                **s.worker.weights_info(),
+                **s.worker.weights_info(), **s.worker.kv_info(),
             }
         if op == "check_accounting":
             try:

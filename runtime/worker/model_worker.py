@@ -10,8 +10,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
+from radixlm.kernels.cpu.build import cpu_flags
 from radixlm.runtime.args import ServerArgs
-from radixlm.runtime.cache.kv_pool import KVPool, ReqToTokenTable
+from radixlm.runtime.cache.kv_pool import KVDtype, KVPool, ReqToTokenTable, kv_dtype
 from radixlm.runtime.model_config import ModelConfig, ModelSource, load_config, resolve_model, weights_fingerprint
 from radixlm.runtime.worker import gemm, lora, quant
 from radixlm.runtime.worker.attention.base import AttentionBackend
@@ -85,6 +86,7 @@ class ModelWorker:
             self._quantization(draft_model)
         self.context_length = min(self.config.context_length, args.context_length or 1 << 62)
         self.page_size = args.page_size or (16 if self.device.type == "cuda" else 1)
+        self.kv_dtype = self._kv_dtype()
         self.num_pages = self._pool_pages()
         if tp.size > 1:  # every rank's pool must have the same slots: the smallest wins
             agreed = torch.tensor([self.num_pages], device=self.device)
@@ -176,7 +178,39 @@ class ModelWorker:
         """The pages the allocator hands out, and one spare that no request owns: where a CUDA
         graph's padding rows write their K/V (`pad_slot`)."""
         return KVPool(cfg.num_layers, (self.num_pages + 1) * self.page_size, self.tp.kv_heads(cfg.num_kv_heads)[0],
-                      cfg.head_dim, self.dtype, self.device)
+                      cfg.head_dim, self.kv_dtype, self.device)
+
+    def _kv_dtype(self) -> KVDtype:
+        """The pool's element type: --kv-cache-dtype, `auto` resolved from the facts (ServerArgs'
+        help), refused by name where it cannot run."""
+        name = self.args.kv_cache_dtype
+        if name == "auto":
+            name = self._auto_kv_dtype()
+        kv = kv_dtype(name)
+        if kv.name == "fp8_e4m3" and self.device.type != "cuda":
+            raise ValueError("--kv-cache-dtype fp8_e4m3 runs on GPUs only (the CPU kernels have no fp8 path): "
+                             "on a CPU use int8, fp16 or bf16")
+        if kv.scaled:
+            odd = [c for c in [self.config, self.draft_config] if c is not None and c.head_dim % 4]
+            if odd:
+                raise ValueError(f"--kv-cache-dtype int8 keeps each row's fp32 scale after its codes, 4-byte "
+                                 f"aligned: it needs a head dimension divisible by 4, not {odd[0].head_dim}")
+        return kv
+
+    def _auto_kv_dtype(self) -> str:
+        """16 bits, but fp32 where the weights are served exactly in fp32 (HF's arithmetic: greedy
+        tokens and logprobs as HF's, to 1e-4; a 16-bit KV moves logprobs by ~1e-3). fp16 keeps 3
+        more bits than bf16 (benchmarks/README.md: its agreement with HF is the closer), and its
+        conversion is one F16C instruction, which every AVX2 CPU has; without F16C (the portable
+        path) bf16, whose conversion is a shift. Every tensor-parallel rank takes the same."""
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return kv_dtype(self.dtype).name
+        if self.quantization.method == "none":
+            return "fp32"
+        f16c = torch.tensor([int("f16c" in cpu_flags())])
+        if self.tp.size > 1:
+            dist.all_reduce(f16c, dist.ReduceOp.MIN, group=self.tp.group)
+        return "fp16" if int(f16c) else "bf16"
 
     def _graph_runner(self) -> DecodeGraphRunner | None:
         """Decode steps replayed from CUDA graphs (cuda_graph.py): on CUDA, unless --disable-cuda-graph,
@@ -195,7 +229,7 @@ class ModelWorker:
 
     def _pool_pages(self) -> int:
         models = [self.config] + ([self.draft_config] if self.draft_config is not None else [])
-        per_token = sum(KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype) for c in models)
+        per_token = sum(KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, self.kv_dtype) for c in models)
         if self.args.max_total_tokens:
             tokens = self.args.max_total_tokens
         else:
@@ -344,7 +378,8 @@ class ModelWorker:
         models = [self.source] + ([resolve_model(self.args.speculative_draft_model)] if self.draft else [])
         return json.dumps({"weights": [weights_fingerprint(m) for m in models], "config": asdict(self.config),
                            "dtype": str(self.dtype), "quantization": [self.quantization.method, self.quantization.formats],
-                           "page_size": self.page_size, "deterministic": self.args.deterministic}, sort_keys=True)
+                           "kv_cache_dtype": self.kv_dtype.name, "page_size": self.page_size,
+                           "deterministic": self.args.deterministic}, sort_keys=True)
 
     def weights_info(self) -> dict:
         """How the weights are served and the bytes they hold now (this rank's share), kernels'
@@ -352,6 +387,11 @@ class ModelWorker:
         q = self.quantization
         return {"served_quantization": q.method, "weight_formats": q.formats, "cpu_kernels": q.kernels,
                 "weight_bytes": quant.weight_bytes(self.model)}
+
+    def kv_info(self) -> dict:
+        """The KV cache's element type and what a token's K and V take in this rank's pools (every
+        layer and KV head, the draft model's too; int8's scales included), for /get_server_info."""
+        return {"kv_cache_dtype": self.kv_dtype.name, "kv_bytes_per_token": sum(p.token_bytes for p in self.kv_pools)}
 
     def usable_after_fault(self) -> bool:
         """Whether this worker can serve on after an exception escaped its `forward`. Not with tensor

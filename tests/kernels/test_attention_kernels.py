@@ -2,6 +2,7 @@
 
 Inputs are random (never zeros), the pool is paged with pages scattered at
 random, and outputs start as NaN so an element a kernel fails to write fails.
+Pools of the queries' dtype, and of every KV type beside fp32 queries.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from radixlm.kernels.decode_attention import decode_attention, decode_attention_reference
+from radixlm.kernels.cpu.reference import encode_kv
 from radixlm.kernels.extend_attention import extend_attention, extend_attention_reference
 from radixlm.kernels.kv_store import store_kv, store_kv_reference
 
@@ -38,8 +40,14 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def make_pool(slots: int, kv_heads: int, dim: int, dtype: torch.dtype, gen: torch.Generator):
-    return (torch.randn(slots, kv_heads, dim, generator=gen).to(dtype),
-            torch.randn(slots, kv_heads, dim, generator=gen).to(dtype))
+    """K and V caches [slots, kv_heads, row] of random rows stored as a pool of `dtype` stores them."""
+    return tuple(stored(torch.randn(slots, kv_heads, dim, generator=gen), dtype) for _ in range(2))
+
+
+def stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.float8_e4m3fn:  # (saturated at e4m3's largest, 448, as the runtime's pool stores it)
+        return x.clamp(-448, 448).to(dtype)
+    return encode_kv(x.float(), dtype) if dtype == torch.int8 else x.to(dtype)
 
 
 # every dtype with each page size, every head shape with each page size and with two dtypes (the
@@ -59,8 +67,7 @@ def test_extend_attention_matches_reference(dtype, page, group, dim):
     k_cache, v_cache = make_pool(slots, kv_heads, dim, dtype, gen)
     tokens = sum(extend)
     q = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
-    k_new, v_new = (torch.randn(tokens, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
-    args = (q, k_new, v_new, k_cache, v_cache, table, rows, torch.tensor(prefix), torch.tensor(extend), dim ** -0.5)
+    args = (q, k_cache, v_cache, table, rows, torch.tensor(prefix), torch.tensor(extend), dim ** -0.5)
     out = torch.full_like(q, float("nan"))
     extend_attention(*args, out=out)
     ref = extend_attention_reference(*args)
@@ -86,13 +93,38 @@ def test_decode_attention_matches_reference(dtype, page, group, dim, splits):
     assert relative_error(out, ref) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+# KV types of a pool beside fp32 queries (the CPU's model dtype; on a GPU bf16 queries over an
+# fp16 or fp8 pool take the same upcasting loads), with each page size
+KV_PAIRS = [(torch.float16, 1), (torch.bfloat16, 16), (torch.int8, 1), (torch.int8, 16), (torch.float8_e4m3fn, 16)]
+
+
+@pytest.mark.parametrize("kv_dtype,page", KV_PAIRS)
+def test_both_kernels_read_pools_of_every_kv_type(kv_dtype, page):
+    """fp32 queries over pools of fp16, bf16, int8 (codes, then each row's fp32 scale) and fp8
+    e4m3 rows, against the references on the same stored rows: only fp32's rounding apart."""
+    gen = torch.Generator().manual_seed(page + 7)
+    kv_heads, group, dim = 2, 3, 64
+    heads = kv_heads * group
+    prefix, extend = [0, 5, 40], [7, 1, 12]
+    table, rows, slots = paged_table([p + e for p, e in zip(prefix, extend)], page, gen)
+    k_cache, v_cache = make_pool(slots, kv_heads, dim, kv_dtype, gen)
+    q = torch.randn(sum(extend), heads, dim, generator=gen)
+    args = (q, k_cache, v_cache, table, rows, torch.tensor(prefix), torch.tensor(extend), dim ** -0.5)
+    out = extend_attention(*args, out=torch.full_like(q, float("nan")))
+    assert relative_error(out, extend_attention_reference(*args)) < 1e-5
+    seq_lens = torch.tensor(prefix) + torch.tensor(extend)
+    args = (q[: len(prefix)], k_cache, v_cache, table, rows, seq_lens, dim ** -0.5)
+    out = decode_attention(*args, num_splits=2, out=torch.full_like(q[: len(prefix)], float("nan")))
+    assert relative_error(out, decode_attention_reference(*args)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
 def test_store_kv_writes_exactly_the_given_slots(dtype):
     gen = torch.Generator().manual_seed(3)
     k_cache, v_cache = make_pool(64, 2, 128, dtype, gen)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     slots = torch.randperm(64, generator=gen)[:9]
-    k, v = (torch.randn(9, 2, 128, generator=gen).to(dtype) for _ in range(2))
+    k, v = (stored(torch.randn(9, 2, 128, generator=gen), dtype) for _ in range(2))  # rows in the pool's type
     store_kv(k_cache, v_cache, slots, k, v)
     store_kv_reference(expected_k, expected_v, slots, k, v)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
@@ -105,12 +137,8 @@ def test_a_chunked_prefill_equals_the_whole_prefill():
     table, rows, slots = paged_table([n], 16, gen)
     k_cache, v_cache = make_pool(slots, kv_heads, dim, torch.float32, gen)
     q = torch.randn(n, heads, dim, generator=gen)
-    k, v = (torch.randn(n, kv_heads, dim, generator=gen) for _ in range(2))
-    positions = table[rows[0], :n]
-    whole = extend_attention(q, k, v, k_cache, v_cache, table, rows, torch.tensor([0]), torch.tensor([n]), 0.125)
-    store_kv(k_cache, v_cache, positions[:split], k[:split], v[:split])
-    first = extend_attention(q[:split], k[:split], v[:split], k_cache, v_cache, table, rows, torch.tensor([0]),
-                             torch.tensor([split]), 0.125)
-    second = extend_attention(q[split:], k[split:], v[split:], k_cache, v_cache, table, rows,
-                              torch.tensor([split]), torch.tensor([n - split]), 0.125)
+    whole = extend_attention(q, k_cache, v_cache, table, rows, torch.tensor([0]), torch.tensor([n]), 0.125)
+    first = extend_attention(q[:split], k_cache, v_cache, table, rows, torch.tensor([0]), torch.tensor([split]), 0.125)
+    second = extend_attention(q[split:], k_cache, v_cache, table, rows, torch.tensor([split]), torch.tensor([n - split]),
+                              0.125)
     assert relative_error(torch.cat([first, second]), whole) < 1e-5

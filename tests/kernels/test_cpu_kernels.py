@@ -1,6 +1,8 @@
 """The native CPU kernels (kernels/cpu) against their torch references, and every ISA path this
 CPU runs against the portable one: bitwise, since each path sums in the same order (extend
 attention's vector paths only to rounding: they fold the softmax a block of keys at a time).
+The attention kernels on pools of every KV type (fp32, fp16, bf16, int8 with a scale per row):
+each stored row bitwise torch's conversion, each read against the reference on the same rows.
 The quantized matmul's own tests: test_quant_kernels.py."""
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from radixlm.kernels.cpu import build, reference as ref
 
 cpu.load()
 PATHS = list(range(cpu.best_isa() + 1))  # every path this CPU runs: portable (0) first
+KV_TYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]  # the pools' element types
+SCALE = 0.13  # attention scale of the bitwise tests: no power of two, so that each product's order shows
 
 
 @pytest.mark.parametrize("dim", [576, 64, 100])
@@ -54,42 +58,90 @@ def test_a_missing_compiler_is_named(monkeypatch, tmp_path):
         build._build("radixlm_cpu_test", tmp_path)
 
 
-def _step(gen: torch.Generator, tokens: int, heads: int, kv_heads: int, d: int, slots: int = 300):
+def _step(gen: torch.Generator, tokens: int, heads: int, kv_heads: int, d: int, slots: int = 300,
+          dtype: torch.dtype = torch.float32):
+    """A step's qkv rows and a layer's pools of `dtype` (random rows stored as the pool stores them)."""
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen)
-    k_pool, v_pool = torch.randn(kv_heads, slots, d, generator=gen), torch.randn(kv_heads, slots, d, generator=gen)
+    k_pool, v_pool = (ref.encode_kv(torch.randn(kv_heads, slots, d, generator=gen), dtype) for _ in range(2))
     return qkv, k_pool, v_pool
 
 
+def _stored(qkv: torch.Tensor, heads: int, kv_heads: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k and v heads of qkv rows as [kv_heads, tokens, d]."""
+    k = qkv[:, heads * d : (heads + kv_heads) * d].reshape(-1, kv_heads, d).transpose(0, 1)
+    return k, qkv[:, (heads + kv_heads) * d :].reshape(-1, kv_heads, d).transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", KV_TYPES)
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 32), (8, 2, 24)])
-def test_rope_store_rotates_in_place_and_writes_the_pool(heads, kv_heads, d):
+def test_rope_store_rotates_in_place_and_writes_the_pool(heads, kv_heads, d, dtype):
+    """The rotation against the reference's, and the pool rows each path writes bitwise torch's
+    conversion of the rotated k and v (reference.encode_kv): every path rounds alike."""
     from radixlm.runtime.worker.layers import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(heads)
     rotary = RotaryEmbedding(d, 512, 10000.0, None)
-    qkv, k_pool, v_pool = _step(gen, 5, heads, kv_heads, d)
+    qkv, k_pool, v_pool = _step(gen, 5, heads, kv_heads, d, dtype=dtype)
     positions, slots = torch.tensor([0, 7, 100, 511, 3]), torch.tensor([4, 9, 250, 0, 299])
+    untouched = torch.ones(300, dtype=torch.bool)
+    untouched[slots] = False
     want = [t.clone() for t in (qkv, k_pool, v_pool)]
     ref.rope_store(*want[:1], positions, rotary.cos2, rotary.sin2, *want[1:], slots, heads, kv_heads)
     for isa in PATHS:
         got = [t.clone() for t in (qkv, k_pool, v_pool)]
         cpu.rope_store(got[0], positions, rotary.cos2, rotary.sin2, got[1], got[2], slots, heads, kv_heads, isa=isa)
-        for g, w in zip(got, want):
-            assert torch.allclose(g, w, rtol=1e-6, atol=1e-6), (isa, (g - w).abs().max())
+        assert torch.allclose(got[0], want[0], rtol=1e-6, atol=1e-6), (isa, (got[0] - want[0]).abs().max())
+        for pool, before, rows in zip(got[1:], (k_pool, v_pool), _stored(got[0], heads, kv_heads, d)):
+            assert torch.equal(pool[:, slots], ref.encode_kv(rows, dtype)), cpu.ISA_NAMES[isa]
+            assert torch.equal(pool[:, untouched], before[:, untouched])  # no other slot written
     with pytest.raises(RuntimeError, match="outside the pool"):
         cpu.rope_store(qkv, positions, rotary.cos2, rotary.sin2, k_pool, v_pool, slots + 300, heads, kv_heads)
 
 
-@settings(max_examples=25, deadline=None)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int8])
+def test_the_pool_rounds_as_torch_at_the_edges(dtype):
+    """Values where rounding is hard, stored by every path (rotary at position 0 is the identity):
+    exact ties between two neighbours (to the even one), fp16's subnormals and the halfway point
+    below its least one, values past fp16's largest (saturated to +-65504, not inf), bf16 carries
+    into the exponent; an int8 row of zeros (scale 0) and rows whose largest value ties."""
+    heads, kv_heads, d = 2, 2, 32
+    half_ties = [1 + 2 ** -11, 1 + 3 * 2 ** -11, 2 ** -24 * 1.5, 2 ** -24 * 2.5, 2 ** -25, 2 ** -25 * 1.0001, 2 ** -26,
+                 6e-8, 65504.0, 65519.0, 65520.0, 1e6, -1e30, 2 ** -14 * (1 - 2 ** -11)]
+    bf16_ties = [1 + 2 ** -8, 1 + 3 * 2 ** -8, 3.4e38, (2 - 2 ** -8) * 2 ** 127, 1e-40, -0.0]
+    gen = torch.Generator().manual_seed(0)
+    edges = torch.tensor(half_ties + bf16_ties)
+    rows = torch.randn(6, 2 * kv_heads * d, generator=gen) * torch.exp2(torch.randint(-30, 30, (6, 2 * kv_heads * d),
+                                                                                     generator=gen).float())
+    rows[0, : len(edges)] = edges
+    rows[1, : len(edges)] = -edges
+    rows[2, :d] = 0.0  # an int8 row of zeros
+    rows[3, :d] = torch.tensor([3.0, -3.0] * (d // 2))  # ties for the largest magnitude
+    qkv = torch.cat([torch.randn(6, heads * d, generator=gen), rows], 1)
+    cos2, sin2 = torch.ones(1, d), torch.zeros(1, d)
+    positions, slots = torch.zeros(6, dtype=torch.int64), torch.arange(6)
+    k, v = _stored(qkv, heads, kv_heads, d)
+    for isa in PATHS:
+        k_pool, v_pool = (ref.encode_kv(torch.zeros(kv_heads, 6, d), dtype) for _ in range(2))
+        cpu.rope_store(qkv.clone(), positions, cos2, sin2, k_pool, v_pool, slots, heads, kv_heads, isa=isa)
+        assert torch.equal(k_pool, ref.encode_kv(k, dtype)), cpu.ISA_NAMES[isa]
+        assert torch.equal(v_pool, ref.encode_kv(v, dtype)), cpu.ISA_NAMES[isa]
+        if dtype == torch.float16:  # saturated (bf16 rounds past its largest to inf, as torch: fp32's range)
+            assert ref.decode_kv(k_pool).isfinite().all() and ref.decode_kv(k_pool).abs().max() == 65504
+
+
+@settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 6), group=st.sampled_from([1, 3]), d=st.sampled_from([16, 64, 24]), seed=st.integers(0, 999),
-       window=st.sampled_from([0, 1, 5, 20]), softcap=st.sampled_from([0.0, 0.5]), sinks=st.booleans())
-def test_decode_attention_reads_the_pool_through_the_table(rows, group, d, seed, window, softcap, sinks):
+       window=st.sampled_from([0, 1, 5, 20]), softcap=st.sampled_from([0.0, 0.5]), sinks=st.booleans(),
+       dtype=st.sampled_from(KV_TYPES))
+def test_decode_attention_reads_the_pool_through_the_table(rows, group, d, seed, window, softcap, sinks, dtype):
     """Each row over its keys (a sliding layer's last `window`; scores soft-capped as Gemma 2's
     where `softcap`; a sink logit per head in each softmax as gpt-oss's where `sinks`) against
-    the torch reference, on every path this CPU runs."""
+    the torch reference on the same stored rows, on every path this CPU runs, on pools of every
+    KV type."""
     gen = torch.Generator().manual_seed(seed)
     kv_heads = 2
     heads = kv_heads * group
-    qkv, k_pool, v_pool = _step(gen, rows + 2, heads, kv_heads, d)
+    qkv, k_pool, v_pool = _step(gen, rows + 2, heads, kv_heads, d, dtype=dtype)
     table = torch.randperm(300, generator=gen)[: 8 * 37].view(8, 37)  # scattered slots, as pages are
     table_rows = torch.randperm(8, generator=gen)[:rows]
     lens = torch.randint(1, 38, (rows,), generator=gen)
@@ -107,8 +159,9 @@ def test_decode_attention_reads_the_pool_through_the_table(rows, group, d, seed,
         assert torch.equal(alone, outs[-1][r : r + 1])
 
 
+@pytest.mark.parametrize("dtype", KV_TYPES)
 @pytest.mark.parametrize("group,d", [(3, 64), (2, 40), (4, 40), (8, 16)])
-def test_grouped_decode_attention_is_bitwise_each_head_alone(group, d):
+def test_grouped_decode_attention_is_bitwise_each_head_alone(group, d, dtype):
     """Enough rows and the AVX2 path reads each key once for its KV head's query heads (one task a
     (row, KV head)); a row alone takes one task a query head. Each head's output is the same bits.
     SmolLM2's 3 heads a KV head and 64 dimensions, and group sizes and widths that take the kernel's
@@ -118,23 +171,24 @@ def test_grouped_decode_attention_is_bitwise_each_head_alone(group, d):
     gen = torch.Generator().manual_seed(7)
     rows, kv_heads = 24, 3  # 72 tasks, more than twice any thread count here
     assert rows * kv_heads >= 2 * torch.get_num_threads()
-    qkv, k_pool, v_pool = _step(gen, rows, kv_heads * group, kv_heads, d, slots=rows * 23)
+    qkv, k_pool, v_pool = _step(gen, rows, kv_heads * group, kv_heads, d, slots=rows * 23, dtype=dtype)
     table = torch.randperm(rows * 23, generator=gen)[: rows * 23].view(rows, 23)
     lens = torch.randint(1, 24, (rows,), generator=gen)
     q = qkv[:, : kv_heads * group * d]
     table_rows = torch.arange(rows)
     for window in (0, 7):  # all keys, and a sliding layer's last 7
-        batch = cpu.decode_attention(q, k_pool, v_pool, table, table_rows, lens, 0.125, isa=1, window=window)
-        want = ref.decode_attention(q, k_pool, v_pool, table, table_rows, lens, 0.125, window)
+        batch = cpu.decode_attention(q, k_pool, v_pool, table, table_rows, lens, SCALE, isa=1, window=window)
+        want = ref.decode_attention(q, k_pool, v_pool, table, table_rows, lens, SCALE, window)
         assert torch.allclose(batch, want, rtol=1e-5, atol=1e-5), (window, (batch - want).abs().max())
         for r in range(rows):
             alone = cpu.decode_attention(q[r : r + 1].clone(), k_pool, v_pool, table, table_rows[r : r + 1],
-                                         lens[r : r + 1], 0.125, isa=1, window=window)
+                                         lens[r : r + 1], SCALE, isa=1, window=window)
             assert torch.equal(alone, batch[r : r + 1]), (window, r)
 
 
+@pytest.mark.parametrize("dtype", KV_TYPES)
 @pytest.mark.parametrize("group,d", [(3, 64), (2, 40), (5, 16)])
-def test_rows_on_one_prompt_read_it_once_and_get_each_rows_bits(group, d):
+def test_rows_on_one_prompt_read_it_once_and_get_each_rows_bits(group, d, dtype):
     """Rows whose keys begin with the same 100 slots (requests on one cached prompt) are attended
     in sets that read those keys once; each row's output is bitwise its output alone, and near the
     torch reference. Beside them: rows of another prompt, a row that shares only 40 keys (too few
@@ -144,7 +198,7 @@ def test_rows_on_one_prompt_read_it_once_and_get_each_rows_bits(group, d):
         pytest.skip("the grouped kernel is the AVX2 path's; this CPU has no AVX2")
     gen = torch.Generator().manual_seed(11)
     kv_heads, width, slots = 3, 190, 6000
-    qkv, k_pool, v_pool = _step(gen, 26, kv_heads * group, kv_heads, d, slots=slots)
+    qkv, k_pool, v_pool = _step(gen, 26, kv_heads * group, kv_heads, d, slots=slots, dtype=dtype)
     free = torch.randperm(slots, generator=gen)
     prompts = [free[:100], free[100:180]]  # two cached prompts, 100 and 80 keys
     table = free[180 : 180 + 26 * width].view(26, width).clone()
@@ -158,17 +212,17 @@ def test_rows_on_one_prompt_read_it_once_and_get_each_rows_bits(group, d):
     lens[0], lens[12] = 100, 80  # a row that is all prompt
     rows = torch.randperm(26, generator=gen)  # the sets' rows apart in the batch
     q = qkv[:, : kv_heads * group * d]
-    batch = cpu.decode_attention(q, k_pool, v_pool, table, rows, lens[rows], 0.125, isa=1)
-    want = ref.decode_attention(q, k_pool, v_pool, table, rows, lens[rows], 0.125)
+    batch = cpu.decode_attention(q, k_pool, v_pool, table, rows, lens[rows], SCALE, isa=1)
+    want = ref.decode_attention(q, k_pool, v_pool, table, rows, lens[rows], SCALE)
     assert torch.allclose(batch, want, rtol=1e-5, atol=1e-5), (batch - want).abs().max()
     for i in range(26):
         alone = cpu.decode_attention(q[i : i + 1].clone(), k_pool, v_pool, table, rows[i : i + 1], lens[rows][i : i + 1],
-                                     0.125, isa=1)
+                                     SCALE, isa=1)
         assert torch.equal(alone, batch[i : i + 1]), i
     # outside --deterministic the sets take the blocked kernel (extend_attention's), on every vector
     # path: the same attention to rounding, in another summation order (so not the exact bits)
     for isa in PATHS[1:]:
-        blocked = cpu.decode_attention(q, k_pool, v_pool, table, rows, lens[rows], 0.125, isa=isa, exact=False)
+        blocked = cpu.decode_attention(q, k_pool, v_pool, table, rows, lens[rows], SCALE, isa=isa, exact=False)
         assert torch.allclose(blocked, want, rtol=1e-5, atol=1e-5), (cpu.ISA_NAMES[isa], (blocked - want).abs().max())
         assert not torch.equal(blocked, batch), "the sets took the exact kernel"
 
@@ -176,8 +230,8 @@ def test_rows_on_one_prompt_read_it_once_and_get_each_rows_bits(group, d):
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, 4), group=st.sampled_from([1, 3, 8]), d=st.sampled_from([16, 24, 40, 64, 128]),
        seed=st.integers(0, 999), window=st.sampled_from([0, 1, 7, 80]), softcap=st.sampled_from([0.0, 0.5]),
-       sinks=st.booleans())
-def test_extend_attention_reads_the_pool_through_the_table(rows, group, d, seed, window, softcap, sinks):
+       sinks=st.booleans(), dtype=st.sampled_from(KV_TYPES))
+def test_extend_attention_reads_the_pool_through_the_table(rows, group, d, seed, window, softcap, sinks, dtype):
     """Each new token of a prefill chunk over the keys up to its own position (the last `window`
     of them; capped scores; sink logits), read in place through the table, against the torch
     reference (each token a decode row of it), on every path this CPU runs. Chunks of 1-150
@@ -191,7 +245,7 @@ def test_extend_attention_reads_the_pool_through_the_table(rows, group, d, seed,
     extend_lens = torch.randint(1, 151, (rows,), generator=gen)
     prefix_lens = torch.randint(0, 201, (rows,), generator=gen)
     tokens = int(extend_lens.sum())
-    qkv, k_pool, v_pool = _step(gen, tokens, heads, kv_heads, d, slots=8 * cols)
+    qkv, k_pool, v_pool = _step(gen, tokens, heads, kv_heads, d, slots=8 * cols, dtype=dtype)
     table = torch.randperm(8 * cols, generator=gen).view(8, cols)  # scattered slots, as pages are
     table_rows = torch.randperm(8, generator=gen)[:rows]
     q = qkv[:, : heads * d]  # strided rows, as the model's qkv holds them
@@ -222,10 +276,16 @@ def test_extend_attention_names_bad_arguments():
         cpu.extend_attention(q, k_pool, v_pool, table, rows, prefix, ext, 0.25, out=torch.empty(6, 63))
     with pytest.raises(RuntimeError, match="not whole query heads"):
         cpu.extend_attention(qkv[:, :60], k_pool, v_pool, table, rows, prefix, ext, 0.25)
+    with pytest.raises(RuntimeError, match="k_pool and v_pool must be of one type"):
+        cpu.extend_attention(q, k_pool, v_pool.half(), table, rows, prefix, ext, 0.25)
+    with pytest.raises(RuntimeError, match="2 x 12 \\(an int8 pool's rows: head_dim codes, then a 4-byte scale"):
+        cpu.decode_attention(q, k_pool.to(torch.int8), v_pool.to(torch.int8), table, rows, prefix + 1, 0.25)
+    with pytest.raises(RuntimeError, match="got Double"):
+        cpu.rope_store(qkv, prefix, torch.ones(8, 16), torch.zeros(8, 16), k_pool.double(), v_pool.double(), prefix, 4, 2)
 
 
 def _random_decoder(seed: int, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, d: int = 16,
-                    inner: int = 96, slots: int = 64):
+                    inner: int = 96, slots: int = 64, dtype: torch.dtype = torch.float32):
     """A small decoder on random blocks of GGUF's formats (zero points on some, q and k in one format
     beside v in another, a qkv bias), its pools and tables."""
     g = torch.Generator().manual_seed(seed)
@@ -246,7 +306,7 @@ def _random_decoder(seed: int, layers: int = 2, hidden: int = 64, heads: int = 4
         weights += [1 + 0.1 * torch.randn(hidden, generator=g), m[0], torch.randn(width, generator=g), m[1],
                     1 + 0.1 * torch.randn(hidden, generator=g), m[2], m[3]]
     weights.append(1 + 0.1 * torch.randn(hidden, generator=g))
-    pools = [[torch.randn(kv_heads, slots, d, generator=g) for _ in range(layers)] for _ in range(2)]
+    pools = [[ref.encode_kv(torch.randn(kv_heads, slots, d, generator=g), dtype) for _ in range(layers)] for _ in range(2)]
     freqs = torch.outer(torch.arange(128).float(), 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))
     cos2, sin2 = torch.cat([freqs.cos()] * 2, -1), torch.cat([freqs.sin()] * 2, -1)
     return weights, pools, cos2, sin2, (heads, kv_heads, d)
@@ -287,14 +347,18 @@ def _decoder_by_ops(weights, pools, cos2, sin2, dims, h, positions, out_slots, t
 
 
 @pytest.mark.parametrize("isa", PATHS)
-@pytest.mark.parametrize("rows,window,exact", [(1, 0, True), (3, 0, True), (3, 6, True), (4, 0, False)])
-def test_the_decoder_is_its_ops_in_order(isa, rows, window, exact):
+@pytest.mark.parametrize("rows,window,exact,dtype", [(1, 0, True, torch.float32), (3, 0, True, torch.float32),
+                                                     (3, 6, True, torch.float32), (4, 0, False, torch.float32),
+                                                     (3, 0, True, torch.float16), (4, 0, False, torch.bfloat16),
+                                                     (3, 6, True, torch.int8), (4, 0, False, torch.int8)])
+def test_the_decoder_is_its_ops_in_order(isa, rows, window, exact, dtype):
     """torch.classes.radixlm.Decoder (one call for a decode step's layers) against the same step
     composed of the ops, each tested above: the output and the pools it writes, bit for bit (and
-    with a window for every layer, as a Mistral has). The last case: four rows on one 70-key
-    prompt, outside --deterministic (`exact` False), where their attention may share key blocks."""
+    with a window for every layer, as a Mistral has), on pools of each KV type. The cases with
+    four rows: on one 70-key prompt, outside --deterministic (`exact` False), where their
+    attention may share key blocks."""
     cpu.load()
-    weights, pools, cos2, sin2, dims = _random_decoder(rows, slots=512)
+    weights, pools, cos2, sin2, dims = _random_decoder(rows, slots=512, dtype=dtype)
     table = torch.randperm(512).view(4, 128)
     table[:, :70] = table[0, :70]  # every row's first 70 keys: one cached prompt
     req_rows = torch.tensor([2, 0, 3, 1][:rows])

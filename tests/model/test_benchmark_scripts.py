@@ -51,12 +51,14 @@ def test_attention_kernels_quick():
                           capture_output=True, text=True, timeout=600, env=dict(os.environ))  # no PYTHONPATH: kernels/ would shadow the installed `kernels`
     assert done.returncode == 0, done.stderr[-2000:]
     assert re.search(r"^CPU: .+, \d+ cores", done.stdout, re.M), done.stdout
-    rows = re.findall(r"^\| (\d+) x (\d+), (\d+) \| (.+) \|$", done.stdout, re.M)
-    assert [r[:3] for r in rows] == [("1", "256", "768"), ("4", "64", "1000")], done.stdout
+    rows = re.findall(r"^\| (\d+) x (\d+), (\d+) \| (fp32|fp16) \| (.+) \|$", done.stdout, re.M)
+    assert [r[:4] for r in rows] == [(*shape, kv) for shape in (("1", "256", "768"), ("4", "64", "1000"))
+                                     for kv in ("fp32", "fp16")], done.stdout
     for *_, cells in rows:  # each path and torch's: a time and a rate (the script checked every path against torch's)
         assert all(re.fullmatch(r"[\d.]+ ms, \d+ GFLOP/s", c.strip()) for c in cells.split("|")), cells
-    decode = re.findall(r"^\| 16, 1000 \+ 20 \| (.+) \|$", done.stdout, re.M)  # exact and blocked, each vector path
-    assert len(decode) == 1 and all(re.fullmatch(r"\d+ us, \d+ GFLOP/s", c.strip()) for c in decode[0].split("|")), decode
+    decode = re.findall(r"^\| 16, 1000 \+ 20 \| (fp32|fp16) \| (.+) \|$", done.stdout, re.M)  # exact, blocked: each path
+    assert [kv for kv, _ in decode] == ["fp32", "fp16"], decode
+    assert all(re.fullmatch(r"\d+ us, \d+ GFLOP/s", c.strip()) for _, cells in decode for c in cells.split("|")), decode
 
 
 def test_quant_kernels_quick():
@@ -86,6 +88,11 @@ def test_quality_quick(tmp_path):
     served = [r for (name, _), r in rows.items() if name.startswith("auto")]
     assert {r["kernel"] for r in served} == {"codes"}
     assert all(r["agreement"] > 0.97 and "Q4_1 codes" in r["served"] for r in served), served
+    # the KV table (quick: the codes with an fp32 and an fp16 KV): half the bytes, hardly a difference
+    kv = {r["kv_cache_dtype"]: r for r in saved["kv_rows"]}
+    assert set(kv) == {"fp32", "fp16"} and all(r["tokens"] == saved["tokens"] for r in kv.values())
+    assert kv["fp32"]["kv_bytes_per_token"] == 2 * kv["fp16"]["kv_bytes_per_token"] == 46080
+    assert kv["fp16"]["agreement"] > 0.99 and kv["fp16"]["mean_abs_dlogprob"] < 0.005, kv["fp16"]
 
 
 def test_one_stream_quick():

@@ -14,7 +14,7 @@ from radixlm.kernels.cpu import build
 from radixlm.runtime.local_engine import LocalEngine
 
 sys.path.append(os.path.join(os.path.dirname(__file__), "..", ".."))  # after site-packages (kernels/)
-from benchmarks.quality import hf_logprobs, make_text, score  # noqa: E402
+from benchmarks.quality import hf_reference, make_text, score  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def served(smol):
 @pytest.fixture(scope="module")
 def text(smol):
     ids = make_text(384, smol.engine.tokenizer)
-    return ids, hf_logprobs(smol.path, ids)
+    return ids, hf_reference(smol.hf, ids)
 
 
 def test_auto_serves_the_files_own_codes(served, smol):

@@ -78,13 +78,19 @@ def test_greedy_tokens_equal_hf_at_every_tp_size(tiny_llama, tp_size):
         _assert_clean(engine)
 
 
-def test_prompt_logprobs_agree_with_tp1(tiny_llama):
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_prompt_logprobs_agree_with_tp1(tiny_llama, kv):
+    """Each rank's pool holds its KV heads in the KV type (int8: each head's rows, codes and scale,
+    as one rank would store them), so only the all-reduce's order differs from TP=1."""
     prompt = tiny_llama.prompts[2]
     kwargs = dict(input_ids=prompt, sampling_params={"max_new_tokens": 4, "temperature": 0}, return_logprob=True,
                   logprob_start_len=0, top_logprobs_num=2)
-    single = tiny_llama.engine().generate(**kwargs)["meta_info"]
-    with Engine(tiny_llama.path, skip_tokenizer_init=True, tp_size=2, max_total_tokens=4096) as engine:
+    single = tiny_llama.engine(kv_cache_dtype=kv).generate(**kwargs)["meta_info"]
+    with Engine(tiny_llama.path, skip_tokenizer_init=True, tp_size=2, max_total_tokens=4096, kv_cache_dtype=kv) as engine:
         split = engine.generate(**kwargs)["meta_info"]
+        info = engine.server_info()
+    assert info["kv_cache_dtype"] == ("fp32" if kv == "auto" else kv)  # (a dense checkpoint: exact fp32 serving)
+    assert info["kv_bytes_per_token"] == 2 * 2 * 1 * (20 if kv == "int8" else 64)  # rank 0's: 1 of the 2 KV heads
     for key in ("input_token_logprobs", "output_token_logprobs"):
         for (a, tok_a, _), (b, tok_b, _) in zip(single[key][1:], split[key][1:]):
             assert tok_a == tok_b and abs(a - b) < 1e-4, (key, a, b)

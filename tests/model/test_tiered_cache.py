@@ -66,6 +66,25 @@ def test_a_restarted_engine_serves_what_the_last_one_saw(tiny_llama, plain, tmp_
     other.shutdown()
 
 
+def test_an_int8_kv_comes_back_bitwise_and_another_kv_type_never_reads_it(tiny_llama, tmp_path):
+    """The tier saves the pool's bytes: int8 codes with each row's scale, read back bitwise (under
+    --deterministic, the outputs of a run without the tier). Its identity includes the KV type: a
+    server on the same weights with another one finds the folder's blocks, and reads none."""
+    plain_int8 = _outcome(_generate(tiny_llama.engine(deterministic=True, kv_cache_dtype="int8"), LONG))
+    engine = _tiered(tiny_llama, tmp_path, deterministic=True, kv_cache_dtype="int8")
+    assert _outcome(_generate(engine, LONG)) == plain_int8
+    engine.scheduler.kv.tier.store.drain()
+    again = _generate(engine, LONG)
+    assert _outcome(again) == plain_int8 and all(r["meta_info"]["cached_tokens"] >= 128 for r in again)
+    assert engine.scheduler.kv.tier.store.info()["hits"] == len(LONG)
+    engine.shutdown()
+    other = _tiered(tiny_llama, tmp_path, deterministic=True, kv_cache_dtype="bf16")
+    assert all(r["meta_info"]["cached_tokens"] == 0 for r in _generate(other, LONG[:2]))
+    info = other.scheduler.kv.tier.store.info()
+    assert info["hits"] == 0 and info["other_identity_blocks"] > 0
+    other.shutdown()
+
+
 def test_greedy_tokens_from_the_tier_are_hfs(tiny_llama, tmp_path):
     refs = hf_greedy(tiny_llama.hf, LONG, NEW_TOKENS)
     engine = _tiered(tiny_llama, tmp_path)

@@ -41,6 +41,8 @@ def test_info_endpoints(server):
     assert sinfo["weight_formats"] == {"layers": "dense float32 (dequantized from Q4_1)",
                                        "embedding and LM head": "dense float32 (dequantized from Q8_0)"}
     assert 538e6 <= sinfo["weight_bytes"] <= 2 * 538.1e6
+    # exact fp32 weights keep an fp32 KV (--kv-cache-dtype auto): 30 layers x K and V x 3 KV heads x 64 x 4 bytes
+    assert sinfo["kv_cache_dtype"] == "fp32" and sinfo["kv_bytes_per_token"] == 46080
 
 
 def test_generate_equals_in_process_engine(server, smol):

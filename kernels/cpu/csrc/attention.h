@@ -1,9 +1,12 @@
 // Rotary with the K/V store, and paged decode attention: per-ISA entry points. The KV pool is
-// head-major, [kv_heads, slots, head_dim] per layer; a request's keys are found through its row
-// of the token table (position -> slot), read in place.
+// head-major, [kv_heads, slots, row] per layer (a row: head_dim elements of the pool's type, and an
+// int8 row's scale: kv_types.h); a request's keys are found through its row of the token table
+// (position -> slot), read in place and converted to fp32 as they are loaded.
 #pragma once
 
 #include <cstdint>
+
+#include "kv_types.h"
 
 namespace radixlm {
 
@@ -13,18 +16,32 @@ struct TokenLayout {  // a step's qkv rows: [tokens, (heads + 2 kv_heads) * head
 };
 
 struct KVLayer {
-  float* k;
-  float* v;
+  void* k;
+  void* v;
   int64_t slots;  // the pool's slots per head
+  int64_t head_dim;
+  KVType type = KVType::f32;
+  int64_t row() const { return kv_row(type, head_dim); }
+  template <class E>
+  KVRows<E> keys(int64_t kv_head) const {
+    return {static_cast<const typename E::T*>(k) + kv_head * slots * row(), row(), head_dim};
+  }
+  template <class E>
+  KVRows<E> values(int64_t kv_head) const {
+    return {static_cast<const typename E::T*>(v) + kv_head * slots * row(), row(), head_dim};
+  }
 };
 
 // Rotate token t's q and k heads in place ("rotate half": dimension i pairs with i + d/2, the
 // full-width tables hold each frequency twice) at its position, then write its k and v to the
-// pool at out_slots[t].
+// pool at out_slots[t], converted to the pool's type (kv_types.h: store_row, bit for bit on
+// every path).
 void rope_store_portable(const TokenLayout& x, const int64_t* positions, const float* cos2, const float* sin2,
                          const KVLayer& kv, const int64_t* out_slots, int64_t t0, int64_t t1);
 void rope_store_avx2(const TokenLayout& x, const int64_t* positions, const float* cos2, const float* sin2,
                      const KVLayer& kv, const int64_t* out_slots, int64_t t0, int64_t t1);
+// The store alone: one token's k and v heads (after its q heads in `row`) into slot `slot`.
+void store_kv_portable(const TokenLayout& x, const float* row, const KVLayer& kv, int64_t slot);
 
 // The running maximum of a head's scores (a compare and a select, inlined: std::fmax is a call
 // into libm in a build without -ffast-math, which cost ~10% of decode attention).

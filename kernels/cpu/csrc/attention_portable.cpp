@@ -1,5 +1,6 @@
 // The portable path of rotary + K/V store and of paged decode attention: the reference for
-// their vector paths (which match it to rounding: their exp is a polynomial).
+// their vector paths (which match it to rounding: their exp is a polynomial). Written once over
+// the pool's element type (kv_types.h), each element converted as it is read.
 #include <cmath>
 
 #include "attention.h"
@@ -17,7 +18,29 @@ void rotate(float* x, const float* cos, const float* sin, int64_t d) {
   }
 }
 
+template <class E>
+void store_token(const TokenLayout& x, const float* row, const KVLayer& kv, int64_t slot) {
+  const int64_t d = x.head_dim;
+  const float* k = row + x.heads * d;
+  const float* v = k + x.kv_heads * d;
+  auto* keys = static_cast<typename E::T*>(kv.k);
+  auto* values = static_cast<typename E::T*>(kv.v);
+  for (int64_t h = 0; h < x.kv_heads; ++h) {
+    store_row<E>(k + h * d, d, keys + (h * kv.slots + slot) * kv.row());
+    store_row<E>(v + h * d, d, values + (h * kv.slots + slot) * kv.row());
+  }
+}
+
 }  // namespace
+
+void store_kv_portable(const TokenLayout& x, const float* row, const KVLayer& kv, int64_t slot) {
+  switch (kv.type) {
+    case KVType::f16: return store_token<F16>(x, row, kv, slot);
+    case KVType::bf16: return store_token<BF16>(x, row, kv, slot);
+    case KVType::i8: return store_token<I8>(x, row, kv, slot);
+    default: return store_token<F32>(x, row, kv, slot);
+  }
+}
 
 void rope_store_portable(const TokenLayout& x, const int64_t* positions, const float* cos2, const float* sin2,
                          const KVLayer& kv, const int64_t* out_slots, int64_t t0, int64_t t1) {
@@ -27,13 +50,7 @@ void rope_store_portable(const TokenLayout& x, const int64_t* positions, const f
     const float* cos = cos2 + positions[t] * d;
     const float* sin = sin2 + positions[t] * d;
     for (int64_t h = 0; h < x.heads + x.kv_heads; ++h) rotate(row + h * d, cos, sin, d);
-    const float* k = row + x.heads * d;
-    const float* v = k + x.kv_heads * d;
-    for (int64_t h = 0; h < x.kv_heads; ++h)
-      for (int64_t i = 0; i < d; ++i) {
-        kv.k[(h * kv.slots + out_slots[t]) * d + i] = k[h * d + i];
-        kv.v[(h * kv.slots + out_slots[t]) * d + i] = v[h * d + i];
-      }
+    store_kv_portable(x, row, kv, out_slots[t]);
   }
 }
 
@@ -42,9 +59,9 @@ namespace {
 // The softmax-weighted values of one query head, scores[0..len) (each key's, already scaled and
 // capped) and their maximum `top` given; `sink` (no larger than top) one more term of the
 // softmax's sum, with no value (-INFINITY: none).
-void weigh_values(int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots, int64_t len,
-                  float top, float* scores, float* out, float sink = -INFINITY) {
-  const float* values = kv.v + kv_head * kv.slots * head_dim;
+template <class E>
+void weigh_values(int64_t head_dim, const KVRows<E>& values, const int64_t* slots, int64_t len, float top,
+                  float* scores, float* out, float sink) {
   float total = sink == -INFINITY ? 0.0f : std::exp(sink - top);
   for (int64_t j = 0; j < len; ++j) {
     scores[j] = std::exp(scores[j] - top);
@@ -52,42 +69,49 @@ void weigh_values(int64_t head_dim, const KVLayer& kv, int64_t kv_head, const in
   }
   for (int64_t i = 0; i < head_dim; ++i) out[i] = 0.0f;
   for (int64_t j = 0; j < len; ++j) {
-    const float* value = values + slots[j] * head_dim;
-    for (int64_t i = 0; i < head_dim; ++i) out[i] = std::fma(scores[j], value[i], out[i]);
+    const auto* value = values.at(slots[j]);
+    const float p = values.value_weight(slots[j], scores[j]);
+    for (int64_t i = 0; i < head_dim; ++i) out[i] = std::fma(p, E::load(value, i), out[i]);
   }
   const float inv = 1.0f / total;
   for (int64_t i = 0; i < head_dim; ++i) out[i] *= inv;
 }
 
-float dot(const float* q, const float* key, int64_t head_dim) {
+template <class E>
+float dot(const float* q, const typename E::T* key, int64_t head_dim) {
   float sum = 0.0f;
-  for (int64_t i = 0; i < head_dim; ++i) sum = std::fma(q[i], key[i], sum);
+  for (int64_t i = 0; i < head_dim; ++i) sum = std::fma(q[i], E::load(key, i), sum);
   return sum;
+}
+
+template <class E>
+void decode_head(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,
+                 int64_t len, float scale, float softcap, float sink, float* scores, float* out) {
+  const KVRows<E> keys = kv.keys<E>(kv_head);
+  float top = sink;
+  for (int64_t j = 0; j < len; ++j) {
+    const float s = dot<E>(q, keys.at(slots[j]), head_dim) * keys.key_factor(slots[j], scale);
+    scores[j] = softcap > 0 ? softcap * std::tanh(s / softcap) : s;
+    top = max_score(top, scores[j]);
+  }
+  weigh_values<E>(head_dim, kv.values<E>(kv_head), slots, len, top, scores, out, sink);
 }
 
 }  // namespace
 
 void decode_head_special(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,
                          int64_t len, float scale, float softcap, float sink, float* scores, float* out) {
-  const float* keys = kv.k + kv_head * kv.slots * head_dim;
-  float top = sink;
-  for (int64_t j = 0; j < len; ++j) {
-    const float s = dot(q, keys + slots[j] * head_dim, head_dim) * scale;
-    scores[j] = softcap > 0 ? softcap * std::tanh(s / softcap) : s;
-    top = max_score(top, scores[j]);
+  switch (kv.type) {
+    case KVType::f16: return decode_head<F16>(q, head_dim, kv, kv_head, slots, len, scale, softcap, sink, scores, out);
+    case KVType::bf16: return decode_head<BF16>(q, head_dim, kv, kv_head, slots, len, scale, softcap, sink, scores, out);
+    case KVType::i8: return decode_head<I8>(q, head_dim, kv, kv_head, slots, len, scale, softcap, sink, scores, out);
+    default: return decode_head<F32>(q, head_dim, kv, kv_head, slots, len, scale, softcap, sink, scores, out);
   }
-  weigh_values(head_dim, kv, kv_head, slots, len, top, scores, out, sink);
 }
 
 void decode_head_portable(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,
                           int64_t len, float scale, float* scores, float* out) {
-  const float* keys = kv.k + kv_head * kv.slots * head_dim;
-  float top = -INFINITY;
-  for (int64_t j = 0; j < len; ++j) {
-    scores[j] = dot(q, keys + slots[j] * head_dim, head_dim) * scale;
-    top = max_score(top, scores[j]);
-  }
-  weigh_values(head_dim, kv, kv_head, slots, len, top, scores, out);
+  decode_head_special(q, head_dim, kv, kv_head, slots, len, scale, 0.0f, -INFINITY, scores, out);
 }
 
 }  // namespace radixlm

@@ -6,6 +6,9 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <type_traits>
+
+#include "kv_types.h"
 
 #define RADIXLM_AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -37,19 +40,42 @@ RADIXLM_AVX2 inline __m256 exp_ps(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
-// Rows slots[0..n) of a head's keys (each d floats at base + slot * d; d a multiple of 8) into
-// kt transposed, kt[c * stride + j] = key j's dimension c: 8 keys x 8 dimensions a register
-// transpose at a time (a third of the instructions of copying them one float at a time), the
-// last n % 8 keys one by one. The blocked attention kernel's packing (extend_tile.h).
-RADIXLM_AVX2 inline void pack_transposed(const float* base, const int64_t* slots, int64_t n, int64_t d, int64_t stride,
-                                         float* kt) {
+// 8 consecutive elements of a KV row of type E (kv_types.h) as fp32: exact, as E::load each.
+template <class E>
+RADIXLM_AVX2 inline __m256 load8(const typename E::T* p) {
+  if constexpr (std::is_same_v<E, F16>) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else if constexpr (std::is_same_v<E, BF16>) {  // the 16 bits are an fp32's high half
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  } else if constexpr (std::is_same_v<E, I8>) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  } else {
+    return _mm256_loadu_ps(p);
+  }
+}
+
+// Rows slots[0..n) of a head's keys (d a multiple of 8) into kt transposed as fp32,
+// kt[c * stride + j] = key j's dimension c (an int8 key's times its scale): 8 keys x 8 dimensions
+// a register transpose at a time (a third of the instructions of copying them one float at a
+// time), the last n % 8 keys one by one. The blocked attention kernel's packing (extend_tile.h).
+template <class E>
+RADIXLM_AVX2 inline void pack_transposed(const KVRows<E>& keys, const int64_t* slots, int64_t n, int64_t d,
+                                         int64_t stride, float* kt) {
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    const float* row[8];
-    for (int u = 0; u < 8; ++u) row[u] = base + slots[j + u] * d;
+    const typename E::T* row[8];
+    __m256 scale[8];
+    for (int u = 0; u < 8; ++u) {
+      row[u] = keys.at(slots[j + u]);
+      scale[u] = _mm256_set1_ps(keys.scale(slots[j + u]));
+    }
     for (int64_t c = 0; c < d; c += 8) {
       __m256 a[8], t[8], v[8];
-      for (int u = 0; u < 8; ++u) a[u] = _mm256_loadu_ps(row[u] + c);
+      for (int u = 0; u < 8; ++u) {
+        a[u] = load8<E>(row[u] + c);
+        if constexpr (E::scaled) a[u] = _mm256_mul_ps(a[u], scale[u]);
+      }
       for (int u = 0; u < 8; u += 2) {  // pairs of rows interleaved
         t[u] = _mm256_unpacklo_ps(a[u], a[u + 1]);
         t[u + 1] = _mm256_unpackhi_ps(a[u], a[u + 1]);
@@ -67,8 +93,9 @@ RADIXLM_AVX2 inline void pack_transposed(const float* base, const int64_t* slots
     }
   }
   for (; j < n; ++j) {
-    const float* key = base + slots[j] * d;
-    for (int64_t c = 0; c < d; ++c) kt[c * stride + j] = key[c];
+    const typename E::T* key = keys.at(slots[j]);
+    const float scale = keys.scale(slots[j]);
+    for (int64_t c = 0; c < d; ++c) kt[c * stride + j] = E::scaled ? E::load(key, c) * scale : E::load(key, c);
   }
 }
 

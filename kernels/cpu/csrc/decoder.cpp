@@ -42,6 +42,7 @@ struct Linear {  // one projection on its tiled codes; the tensors are held so t
 
 struct Layer {
   at::Tensor input_norm, post_norm, k_pool, v_pool;
+  KVLayer kv{};  // the pools as the kernels read them (any KV type: kv_types.h)
   Linear qkv, o, gate_up, down;
 };
 
@@ -95,10 +96,9 @@ class Decoder : public torch::CustomClassHolder {
       inner_ = inner2 / 2;
       layer.gate_up = Linear(w[7], w[8], at::Tensor(), inner2, hidden_, inner2, "gate/up");
       layer.down = Linear(w[9], w[10], at::Tensor(), f[3 * kFormat], inner_, hidden_, "down");
-      check_pool(k_pools[l], kv_heads, head_dim, "k_pool");
-      check_pool(v_pools[l], kv_heads, head_dim, "v_pool");
-      RADIXLM_CHECK(k_pools[l].size(1) == k_pools[0].size(1) && v_pools[l].size(1) == k_pools[0].size(1),
-                  "radixlm: Decoder: every layer's pool must have the same slots");
+      layer.kv = kv_layer(k_pools[l], v_pools[l], kv_heads, head_dim);
+      RADIXLM_CHECK(k_pools[l].size(1) == k_pools[0].size(1) && k_pools[l].scalar_type() == k_pools[0].scalar_type(),
+                  "radixlm: Decoder: every layer's pool must have the same slots and type");
       layer.k_pool = k_pools[l];
       layer.v_pool = v_pools[l];
       layers_.push_back(std::move(layer));
@@ -142,10 +142,9 @@ class Decoder : public torch::CustomClassHolder {
       // the first layer normalizes the embeddings; later ones add the last output into the residual first
       rms_norm_into(l == 0 ? res : yp, L.input_norm.data_ptr<float>(), eps_, l == 0 ? nullptr : res, n, hidden_, xp, isa);
       matmul_into(xp, n, L.qkv.w, L.qkv.b, scratch, qkvp, isa);
-      const KVLayer kv{L.k_pool.data_ptr<float>(), L.v_pool.data_ptr<float>(), slots_};
       rope_store_tokens({qkvp, width, heads_, kv_heads_, head_dim_}, n, pos, cos2_.data_ptr<float>(),
-                        sin2_.data_ptr<float>(), kv, slot, isa);
-      decode_attention_into(qkvp, width, heads_, head_dim_, kv, kv_heads_, dr, scale_, attnp, isa);
+                        sin2_.data_ptr<float>(), L.kv, slot, isa);
+      decode_attention_into(qkvp, width, heads_, head_dim_, L.kv, kv_heads_, dr, scale_, attnp, isa);
       matmul_into(attnp, n, L.o.w, L.o.b, scratch, yp, isa);
       rms_norm_into(yp, L.post_norm.data_ptr<float>(), eps_, res, n, hidden_, xp, isa);
       matmul_into(xp, n, L.gate_up.w, nullptr, scratch, gup, isa);

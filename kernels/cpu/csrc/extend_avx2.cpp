@@ -30,6 +30,8 @@ struct Avx2 {
   static T max(T a, T b) { return _mm256_max_ps(a, b); }
   static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static T exp(T x) { return exp_ps(x); }
+  template <class E>
+  static T load_kv(const typename E::T* p) { return load8<E>(p); }
   static float hsum(T v) { return radixlm::hsum(v); }
   static float hmax(T v) {
     const __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -47,7 +49,7 @@ namespace radixlm {
 
 void attend_sources_avx2(const QueryLayout& x, const KVLayer& kv, const BlockedTask& task, float* scratch,
                          int64_t* positions) {
-  attend_sources<Avx2>(x, kv, task, scratch, positions);
+  attend_sources_typed<Avx2>(x, kv, task, scratch, positions);
 }
 
 }  // namespace radixlm

@@ -31,6 +31,19 @@ struct Avx512 {
   static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static float hsum(T v) { return _mm512_reduce_add_ps(v); }
   static float hmax(T v) { return _mm512_reduce_max_ps(v); }
+  template <class E>
+  static T load_kv(const typename E::T* p) {  // L elements of a pool row as fp32, exactly (as avx2.h's load8)
+    if constexpr (std::is_same_v<E, F16>) {
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    } else if constexpr (std::is_same_v<E, BF16>) {
+      const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    } else if constexpr (std::is_same_v<E, I8>) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    } else {
+      return _mm512_loadu_ps(p);
+    }
+  }
   // exp as avx2.h's exp_ps: x = k ln2 + r, a degree-6 polynomial in r, times 2^k
   static T exp(T x) {
     x = _mm512_min_ps(_mm512_max_ps(x, set1(-87.3f)), set1(88.7f));
@@ -58,7 +71,7 @@ namespace radixlm {
 
 void attend_sources_avx512(const QueryLayout& x, const KVLayer& kv, const BlockedTask& task, float* scratch,
                            int64_t* positions) {
-  attend_sources<Avx512>(x, kv, task, scratch, positions);
+  attend_sources_typed<Avx512>(x, kv, task, scratch, positions);
 }
 
 }  // namespace radixlm

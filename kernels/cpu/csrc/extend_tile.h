@@ -1,7 +1,8 @@
 // The blocked attention loop (extend.h's BlockedTask), written once for every vector ISA: each
 // ISA's file includes this inside its target region with its vector traits V (lanes L; T the
-// register type; zero, load, store, set1, add, sub, mul, max, fma, exp, hmax, hsum; RQ and RP the
-// query rows its score and value kernels keep in registers, C the value vectors a row holds).
+// register type; zero, load, store, set1, add, sub, mul, max, fma, exp, hmax, hsum, load_kv<E> (L
+// elements of a pool row of type E as fp32); RQ and RP the query rows its score and value kernels
+// keep in registers, C the value vectors a row holds).
 //
 // A task's query rows (its sources' tokens x one KV head's query heads) go over their keys
 // kExtendKeys (B) at a time: first the keys every source shares, for all the rows, then each
@@ -11,7 +12,9 @@
 // (keys after its position or before its window) and folded into its running max and sum (the
 // online softmax: earlier blocks' sums rescaled when the max grows); then the block's weighted
 // values added to the row's accumulators, keys in order, each value row read in place from the
-// pool. Every name here has internal linkage: each ISA's file keeps its own instantiations, built
+// pool. The pool's element type E (kv_types.h) is converted as it is read: keys when packed (an
+// int8 key times its scale there), values as they are loaded (an int8 value's scale folded into
+// each row's weight of it). Every name here has internal linkage: each ISA's file keeps its own instantiations, built
 // for its own instructions.
 #pragma once
 
@@ -58,15 +61,16 @@ inline void score_rest(int rest, const float* q, int64_t d, const float* kt, flo
 }
 
 // acc[r][c0 .. c0 + C L) += sum over keys j < nk, in order, of p[r][j] * value_j for RR rows.
-template <class V, int RR, int C>
-inline void weigh_block(const float* p, const float* const* values, int64_t nk, int64_t c0, float* acc, int64_t d) {
+template <class V, class E, int RR, int C>
+inline void weigh_block(const float* p, const typename E::T* const* values, int64_t nk, int64_t c0, float* acc,
+                        int64_t d) {
   using T = typename V::T;
   T a[RR][C];
   for (int r = 0; r < RR; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = V::load(acc + r * d + c0 + c * V::L);
   for (int64_t j = 0; j < nk; ++j) {
     T v[C];
-    for (int c = 0; c < C; ++c) v[c] = V::load(values[j] + c0 + c * V::L);
+    for (int c = 0; c < C; ++c) v[c] = V::template load_kv<E>(values[j] + c0 + c * V::L);
     for (int r = 0; r < RR; ++r) {
       const T pr = V::set1(p[r * B + j]);
       for (int c = 0; c < C; ++c) a[r][c] = V::fma(pr, v[c], a[r][c]);
@@ -77,30 +81,31 @@ inline void weigh_block(const float* p, const float* const* values, int64_t nk, 
 }
 
 // weigh_block over the last `rest` (< C) vectors of the rows' dimensions.
-template <class V, int RR, int C>
-inline void weigh_rest(int rest, const float* p, const float* const* values, int64_t nk, int64_t c0, float* acc,
-                       int64_t d) {
+template <class V, class E, int RR, int C>
+inline void weigh_rest(int rest, const float* p, const typename E::T* const* values, int64_t nk, int64_t c0,
+                       float* acc, int64_t d) {
   if constexpr (C > 0) {
-    if (rest == C) return weigh_block<V, RR, C>(p, values, nk, c0, acc, d);
-    weigh_rest<V, RR, C - 1>(rest, p, values, nk, c0, acc, d);
+    if (rest == C) return weigh_block<V, E, RR, C>(p, values, nk, c0, acc, d);
+    weigh_rest<V, E, RR, C - 1>(rest, p, values, nk, c0, acc, d);
   }
 }
 
 // RR rows' weighted values, every dimension: C vectors at a time, then the rest.
-template <class V, int RR>
-inline void weigh_rows(const float* p, const float* const* values, int64_t nk, float* acc, int64_t d) {
+template <class V, class E, int RR>
+inline void weigh_rows(const float* p, const typename E::T* const* values, int64_t nk, float* acc, int64_t d) {
   const int64_t step = V::C * V::L;
   int64_t c0 = 0;
-  for (; c0 + step <= d; c0 += step) weigh_block<V, RR, V::C>(p, values, nk, c0, acc, d);
-  if (c0 < d) weigh_rest<V, RR, V::C - 1>(int((d - c0) / V::L), p, values, nk, c0, acc, d);
+  for (; c0 + step <= d; c0 += step) weigh_block<V, E, RR, V::C>(p, values, nk, c0, acc, d);
+  if (c0 < d) weigh_rest<V, E, RR, V::C - 1>(int((d - c0) / V::L), p, values, nk, c0, acc, d);
 }
 
 // weigh_rows for the last `rest` (< RP) rows.
-template <class V, int RR>
-inline void weigh_rows_rest(int rest, const float* p, const float* const* values, int64_t nk, float* acc, int64_t d) {
+template <class V, class E, int RR>
+inline void weigh_rows_rest(int rest, const float* p, const typename E::T* const* values, int64_t nk, float* acc,
+                            int64_t d) {
   if constexpr (RR > 0) {
-    if (rest == RR) return weigh_rows<V, RR>(p, values, nk, acc, d);
-    weigh_rows_rest<V, RR - 1>(rest, p, values, nk, acc, d);
+    if (rest == RR) return weigh_rows<V, E, RR>(p, values, nk, acc, d);
+    weigh_rows_rest<V, E, RR - 1>(rest, p, values, nk, acc, d);
   }
 }
 
@@ -145,20 +150,23 @@ inline bool softmax_row(float* s, int64_t k0, int64_t nk, int64_t first, int64_t
 // The task's query rows [lo, hi) against keys [k_from, k_to) read through `slots`, a block at a
 // time, folded into their running softmax (m, l) and values (acc). pos[i]: row i's position (it
 // sees keys up to it, and the last `window` of them where window > 0).
-template <class V>
+template <class V, class E>
 void attend_range(const KVLayer& kv, int64_t kv_head, int64_t d, const int64_t* slots, int64_t k_from, int64_t k_to,
                   int64_t lo, int64_t hi, const int64_t* pos, int64_t window, float softcap, const float* q, float* acc,
                   float* s, float* m, float* l, float* kt) {
-  const float* keys = kv.k + kv_head * kv.slots * d;
-  const float* vals = kv.v + kv_head * kv.slots * d;
-  const float* values[B];
+  const KVRows<E> keys = kv.keys<E>(kv_head), vals = kv.values<E>(kv_head);
+  const typename E::T* values[B];
+  float value_scale[B];
   const int64_t rows = hi - lo;
   q += lo * d, acc += lo * d, s += lo * B, m += lo, l += lo, pos += lo;
   for (int64_t k0 = k_from; k0 < k_to; k0 += B) {
     const int64_t nk = k_to - k0 < B ? k_to - k0 : B;
     // (a last block's columns past nk keep an earlier block's keys: their scores are masked)
-    pack_transposed(keys, slots + k0, nk, d, B, kt);
-    for (int64_t j = 0; j < nk; ++j) values[j] = vals + slots[k0 + j] * d;
+    pack_transposed<E>(keys, slots + k0, nk, d, B, kt);
+    for (int64_t j = 0; j < nk; ++j) {
+      values[j] = vals.at(slots[k0 + j]);
+      value_scale[j] = vals.scale(slots[k0 + j]);
+    }
     int64_t i = 0;
     for (; i + V::RQ <= rows; i += V::RQ) score_block<V, V::RQ>(q + i * d, d, kt, s + i * B);
     if (i < rows) score_rest<V, V::RQ - 1>(int(rows - i), q + i * d, d, kt, s + i * B);
@@ -168,14 +176,16 @@ void attend_range(const KVLayer& kv, int64_t kv_head, int64_t d, const int64_t* 
       if (softmax_row<V>(s + i * B, k0, nk, first, pos[i], softcap, m + i, l + i, acc + i * d, d)) {
         first_row = i < first_row ? i : first_row;
         end_row = i + 1;
+        if constexpr (E::scaled)  // (the sum l has the weights as they are; the values take them scaled)
+          for (int64_t j = 0; j < nk; ++j) s[i * B + j] *= value_scale[j];
       }
     }
-    for (i = first_row; i + V::RP <= end_row; i += V::RP) weigh_rows<V, V::RP>(s + i * B, values, nk, acc + i * d, d);
-    if (i < end_row) weigh_rows_rest<V, V::RP - 1>(int(end_row - i), s + i * B, values, nk, acc + i * d, d);
+    for (i = first_row; i + V::RP <= end_row; i += V::RP) weigh_rows<V, E, V::RP>(s + i * B, values, nk, acc + i * d, d);
+    if (i < end_row) weigh_rows_rest<V, E, V::RP - 1>(int(end_row - i), s + i * B, values, nk, acc + i * d, d);
   }
 }
 
-template <class V>
+template <class V, class E>
 void attend_sources(const QueryLayout& x, const KVLayer& kv, const BlockedTask& task, float* scratch, int64_t* pos) {
   const int64_t d = x.head_dim, group = x.heads / x.kv_heads;
   int64_t rows = 0;
@@ -197,14 +207,14 @@ void attend_sources(const QueryLayout& x, const KVLayer& kv, const BlockedTask& 
   // the keys every source shares, once for all rows; then each source's own, for its rows alone
   const QuerySource& lead = task.sources[0];
   const int64_t k_first = task.window > 0 && lead.position - task.window + 1 > 0 ? lead.position - task.window + 1 : 0;
-  attend_range<V>(kv, task.kv_head, d, lead.slots, k_first, task.common, 0, rows, pos, task.window, task.softcap, q,
-                  acc, s, m, l, kt);
+  attend_range<V, E>(kv, task.kv_head, d, lead.slots, k_first, task.common, 0, rows, pos, task.window, task.softcap,
+                     q, acc, s, m, l, kt);
   for (int64_t k = 0, i = 0; k < task.n; ++k) {
     const QuerySource& src = task.sources[k];
     const int64_t end = src.position + src.tokens, own = src.tokens * group;
     if (end > task.common)
-      attend_range<V>(kv, task.kv_head, d, src.slots, task.common > k_first ? task.common : k_first, end, i, i + own,
-                      pos, task.window, task.softcap, q, acc, s, m, l, kt);
+      attend_range<V, E>(kv, task.kv_head, d, src.slots, task.common > k_first ? task.common : k_first, end, i,
+                         i + own, pos, task.window, task.softcap, q, acc, s, m, l, kt);
     i += own;
   }
   for (int64_t k = 0, i = 0; k < task.n; ++k) {
@@ -219,6 +229,18 @@ void attend_sources(const QueryLayout& x, const KVLayer& kv, const BlockedTask& 
       float* dst = x.out + (src.token + r / group) * x.out_stride + head * d;
       for (int64_t c = 0; c < d; ++c) dst[c] = acc[i * d + c] * inv;
     }
+  }
+}
+
+// attend_sources on the pool's element type
+template <class V>
+void attend_sources_typed(const QueryLayout& x, const KVLayer& kv, const BlockedTask& task, float* scratch,
+                          int64_t* pos) {
+  switch (kv.type) {
+    case KVType::f16: return attend_sources<V, F16>(x, kv, task, scratch, pos);
+    case KVType::bf16: return attend_sources<V, BF16>(x, kv, task, scratch, pos);
+    case KVType::i8: return attend_sources<V, I8>(x, kv, task, scratch, pos);
+    default: return attend_sources<V, F32>(x, kv, task, scratch, pos);
   }
 }
 

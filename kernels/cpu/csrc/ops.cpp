@@ -81,11 +81,43 @@ TiledMatrix tiled_matrix(const at::Tensor& tiles, const at::Tensor& segments, in
   return w;
 }
 
+namespace {
+
+std::optional<KVType> kv_type(c10::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return KVType::f32;
+    case at::kHalf: return KVType::f16;
+    case at::kBFloat16: return KVType::bf16;
+    case at::kChar: return KVType::i8;
+    default: return std::nullopt;
+  }
+}
+
 void check_pool(const at::Tensor& pool, int64_t kv_heads, int64_t head_dim, const char* what) {
-  RADIXLM_CHECK(pool.device().is_cpu() && pool.scalar_type() == at::kFloat && pool.is_contiguous() && pool.dim() == 3 &&
-                  pool.size(0) == kv_heads && pool.size(2) == head_dim,
-              "radixlm: ", what, " must be a contiguous float32 [", kv_heads, ", slots, ", head_dim, "] CPU tensor, got ",
-              pool.sizes());
+  const std::optional<KVType> type = kv_type(pool.scalar_type());
+  const int64_t row = type ? kv_row(*type, head_dim) : head_dim;
+  RADIXLM_CHECK(type && pool.device().is_cpu() && pool.is_contiguous() && pool.dim() == 3 && pool.size(0) == kv_heads &&
+                    pool.size(2) == row,
+                "radixlm: ", what, " must be a contiguous float32, float16 or bfloat16 [", kv_heads, ", slots, ",
+                head_dim, "] or int8 [", kv_heads, ", slots, ", head_dim, " + 4] CPU tensor, got ", pool.scalar_type(),
+                " ", pool.sizes());
+}
+
+}  // namespace
+
+int64_t pool_head_dim(const at::Tensor& pool) {
+  const std::optional<KVType> type = kv_type(pool.scalar_type());
+  if (!type || pool.dim() != 3) return 0;
+  return *type == KVType::i8 ? pool.size(2) - 4 : pool.size(2);
+}
+
+KVLayer kv_layer(const at::Tensor& k_pool, const at::Tensor& v_pool, int64_t kv_heads, int64_t head_dim) {
+  check_pool(k_pool, kv_heads, head_dim, "k_pool");
+  check_pool(v_pool, kv_heads, head_dim, "v_pool");
+  RADIXLM_CHECK(v_pool.scalar_type() == k_pool.scalar_type() && v_pool.sizes() == k_pool.sizes(),
+                "radixlm: k_pool and v_pool must be of one type and shape, got ", k_pool.scalar_type(), " ",
+                k_pool.sizes(), " and ", v_pool.scalar_type(), " ", v_pool.sizes());
+  return {k_pool.data_ptr(), v_pool.data_ptr(), k_pool.size(1), head_dim, *kv_type(k_pool.scalar_type())};
 }
 
 void check_index(const at::Tensor& t, int64_t n, const char* what) {
@@ -286,19 +318,14 @@ void rope_store(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& 
                 int64_t isa_level) {
   const TokenLayout x = token_layout(qkv, heads, kv_heads);
   check_tables(cos2, sin2, x.head_dim);
-  check_pool(k_pool, kv_heads, x.head_dim, "k_pool");
-  check_pool(v_pool, kv_heads, x.head_dim, "v_pool");
-  const KVLayer kv{k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), k_pool.size(1)};
+  const KVLayer kv = kv_layer(k_pool, v_pool, kv_heads, x.head_dim);
   const int64_t tokens = qkv.size(0);
   check_positions(positions, out_slots, tokens, cos2.size(0), kv.slots);
   rope_store_tokens(x, tokens, positions.data_ptr<int64_t>(), cos2.data_ptr<float>(), sin2.data_ptr<float>(), kv,
                     out_slots.data_ptr<int64_t>(), resolve_isa(isa_level));
 }
 
-// An attention op's q (rows of whole query heads, strided) and pools: their dimensions, checked.
-struct AttentionShape {
-  int64_t heads, kv_heads, head_dim;
-};
+// An attention op's q (rows of whole query heads, strided) and pools: their dimensions, checked
 
 // gpt-oss's sinks: one logit per query head, or none.
 const float* sink_logits(const std::optional<at::Tensor>& sinks, int64_t heads) {
@@ -309,15 +336,20 @@ const float* sink_logits(const std::optional<at::Tensor>& sinks, int64_t heads) 
   return sinks->data_ptr<float>();
 }
 
+// (and the layer's pools as the kernels read them)
+struct AttentionShape {
+  int64_t heads, kv_heads, head_dim;
+  KVLayer kv;
+};
+
 AttentionShape attention_shape(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool) {
   RADIXLM_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 2 && q.stride(1) == 1,
                 "radixlm: q must be a float32 [rows, heads * head_dim] CPU tensor with contiguous rows");
-  const int64_t kv_heads = k_pool.dim() == 3 ? k_pool.size(0) : 0, d = k_pool.dim() == 3 ? k_pool.size(2) : 0;
+  const int64_t kv_heads = k_pool.dim() == 3 ? k_pool.size(0) : 0, d = pool_head_dim(k_pool);
   RADIXLM_CHECK(d > 0 && kv_heads > 0 && q.size(1) % d == 0 && (q.size(1) / d) % kv_heads == 0,
-                "radixlm: q's ", q.size(1), " columns are not whole query heads of the pool's ", kv_heads, " x ", d);
-  check_pool(k_pool, kv_heads, d, "k_pool");
-  check_pool(v_pool, kv_heads, d, "v_pool");
-  return {q.size(1) / d, kv_heads, d};
+                "radixlm: q's ", q.size(1), " columns are not whole query heads of the pool's ", kv_heads, " x ", d,
+                k_pool.scalar_type() == at::kChar ? " (an int8 pool's rows: head_dim codes, then a 4-byte scale)" : "");
+  return {q.size(1) / d, kv_heads, d, kv_layer(k_pool, v_pool, kv_heads, d)};
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -325,8 +357,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
                             int64_t isa_level, int64_t window, double softcap, const std::optional<at::Tensor>& sinks,
                             bool exact) {
   RADIXLM_CHECK(window >= 0 && softcap >= 0, "radixlm: a window and a soft cap are positive (0: none)");
-  const auto [heads, kv_heads, d] = attention_shape(q, k_pool, v_pool);
-  const KVLayer kv{k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), k_pool.size(1)};
+  const auto [heads, kv_heads, d, kv] = attention_shape(q, k_pool, v_pool);
   DecodeRows dr = decode_rows(table, rows, seq_lens, kv.slots);
   dr.window = window;
   dr.softcap = float(softcap);
@@ -374,8 +405,7 @@ void extend_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::T
                       sink_logits(sinks, shape.heads)};
   const QueryLayout x{q.data_ptr<float>(), q.stride(0), out.data_ptr<float>(), out.stride(0), shape.heads,
                       shape.kv_heads, shape.head_dim, float(scale)};
-  const KVLayer kv{k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), slots};
-  extend_attention_into(x, kv, er, resolve_isa(isa_level));
+  extend_attention_into(x, shape.kv, er, resolve_isa(isa_level));
 }
 
 int64_t best_isa_level() { return int64_t(best_isa()); }

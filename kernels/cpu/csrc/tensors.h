@@ -50,7 +50,11 @@ void check_rows(const at::Tensor& x, const char* what);  // contiguous 2-D float
 // kind, wide), every segment inside the tiles and the segments covering the rows in order
 TiledMatrix tiled_matrix(const at::Tensor& tiles, const at::Tensor& segments, int64_t rows, int64_t cols);
 
-void check_pool(const at::Tensor& pool, int64_t kv_heads, int64_t head_dim, const char* what);
+// A layer's K and V pools as the kernels read them: contiguous CPU tensors [kv_heads, slots, row] of
+// one type, float32, float16 or bfloat16 (row: head_dim) or int8 (row: head_dim codes, then the
+// row's fp32 scale in 4 bytes: head_dim + 4; kv_types.h).
+KVLayer kv_layer(const at::Tensor& k_pool, const at::Tensor& v_pool, int64_t kv_heads, int64_t head_dim);
+int64_t pool_head_dim(const at::Tensor& pool);  // the head_dim its rows hold (0: not a pool)
 void check_index(const at::Tensor& t, int64_t n, const char* what);
 
 // positions inside the rotary tables, out_slots inside the pool

@@ -3,7 +3,8 @@ whatever else is in its step, however its prompt was chunked, and whether its pr
 the cache or was computed now.
 
 Every new token, prefill or decode alike, is one query over its own keys 0..position, read from
-the pool in blocks of KEY_BLOCK keys. The arithmetic has one shape whatever the batch: each
+the pool in blocks of KEY_BLOCK keys (in the pool's type, each row converted to fp32 alone: the
+same values whatever else is gathered). The arithmetic has one shape whatever the batch: each
 (query, KV head, block) is a [group, d] x [d, KEY_BLOCK] product; the softmax's max is exact;
 the block sums are accumulated in block order by `cumsum`, so the all-masked blocks that pad a
 short context to its slice's longest add exact zeros (as do the blocks a sliding layer's window
@@ -59,7 +60,7 @@ class InvariantAttention(AttentionBackend):
                 slots = meta.slots if table is fb.req_to_token.table else _key_slots(fb, table, visible)
                 fb.window_meta[window] = meta._replace(slots=slots, visible=visible)
             meta = fb.window_meta[window]
-        k_pool, v_pool = fb.kv_pool.k[layer], fb.kv_pool.v[layer]
+        k_pool, v_pool, kv = fb.kv_pool.k[layer], fb.kv_pool.v[layer], fb.kv_pool.dtype
         tokens, heads, dim = q.shape
         kv_heads = k_pool.shape[1]
         group = heads // kv_heads
@@ -72,8 +73,9 @@ class InvariantAttention(AttentionBackend):
             slots, visible = meta.slots[part, :width], meta.visible[part, :width]
             # one contiguous bmm of [group, d] x [d, KEY_BLOCK] per (query, KV head, block): strided or
             # broadcast operands let torch pick other kernels, whose sums differ in the last bit
-            keys = gather(k_pool, slots).float().view(n, blocks, KEY_BLOCK, kv_heads, dim).permute(0, 3, 1, 4, 2)
-            values = gather(v_pool, slots).float().view(n, blocks, KEY_BLOCK, kv_heads, dim).permute(0, 3, 1, 2, 4)
+            keys = kv.decode(gather(k_pool, slots), torch.float32).view(n, blocks, KEY_BLOCK, kv_heads, dim)
+            values = kv.decode(gather(v_pool, slots), torch.float32).view(n, blocks, KEY_BLOCK, kv_heads, dim)
+            keys, values = keys.permute(0, 3, 1, 4, 2), values.permute(0, 3, 1, 2, 4)
             queries = qg[part].expand(n, kv_heads, blocks, group, dim).contiguous().view(-1, group, dim)
             scores = torch.bmm(queries, keys.contiguous().view(-1, dim, KEY_BLOCK)).view(n, kv_heads, blocks, group, KEY_BLOCK)
             scores = soft_cap(scores, softcap)

@@ -6,7 +6,8 @@ over their keys read in place through the token table, no gather, no padding), a
 extend rows' new tokens (`extend_attention`: prefill chunks, jump-forward text; the same table,
 a row's tokens and one KV head's query heads attended together a block of keys at a time).
 Nothing is gathered, padded or masked in torch, and nothing is planned per step but the rows'
-lengths. Models with q/k norms (Qwen3) rotate in the model and call `forward`, which stores with
+lengths. The pool may be of any KV type the kernels read (`--kv-cache-dtype` fp32, fp16, bf16,
+int8): rope_store writes rows in it and the attention kernels convert them as they load them. Models with q/k norms (Qwen3) rotate in the model and call `forward`, which stores with
 torch and attends the same way. Sliding layers pass their window (each token's last `window`
 keys, through the window space's table where the pool keeps one); soft-capped scores (Gemma 2)
 are capped in the kernels too, and gpt-oss's sinks join their softmax there.
@@ -66,8 +67,7 @@ class NativeAttention(AttentionBackend):
                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         k_pool, v_pool = fb.kv_pool.k_heads[layer], fb.kv_pool.v_heads[layer]
         self._rope_store(qkv, fb.positions, cos2, sin2, k_pool, v_pool, fb.kv_layout(window)[1], heads, kv_heads, -1)
-        dim = k_pool.shape[2]
-        return self._attend(qkv[:, : heads * dim], k_pool, v_pool, scale, fb, window, softcap, sinks)
+        return self._attend(qkv[:, : heads * fb.kv_pool.head_dim], k_pool, v_pool, scale, fb, window, softcap, sinks)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
                 fb: ForwardBatch, window: int | None = None, softcap: float | None = None,

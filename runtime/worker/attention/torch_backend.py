@@ -20,6 +20,10 @@ SmolLM2's attention from 80 to 40 us a layer.
 Extend rows go to torch's scaled_dot_product_attention with a causal mask, in length buckets
 chosen the same way, each padded to its own longest query and context.
 
+Rows are read in the pool's type (`--kv-cache-dtype`) and converted to the compute dtype once
+gathered (`KVDtype.decode`: a 16-bit pool's rows upcast, an int8 row's codes times its scale); a
+pool of the compute dtype is read as it lies, with no copy.
+
 Sliding layers (Gemma, Mistral) get their own plan, built at the first such layer of a step and
 kept in fb.window_meta: a decode row's keys start `window` before its end (no shared-prefix pass:
 a prefix leaves every long row's window), an extend row's mask also hides keys a window or more
@@ -36,6 +40,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from radixlm.runtime.cache.kv_pool import KVDtype
 from radixlm.runtime.utils import ragged_arange
 from radixlm.runtime.worker.attention.base import AttentionBackend
 from radixlm.runtime.worker.forward_batch import ForwardBatch
@@ -101,15 +106,34 @@ class TorchAttention(AttentionBackend):
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         fb.kv_pool.store(layer, fb.kv_layout(window)[1], k, v)
         meta: TorchAttnMeta = fb.attn_meta if window is None else self._window_meta(fb, window)
-        k_pool, v_pool = fb.kv_pool.k_heads[layer], fb.kv_pool.v_heads[layer]
+        pools = Pools(fb.kv_pool.k_heads[layer], fb.kv_pool.v_heads[layer], fb.kv_pool.dtype)
         d = meta.num_decode
         if not meta.extend:
-            return _decode(q, k_pool, v_pool, scale, meta, softcap, sinks)
+            return _decode(q, pools, scale, meta, softcap, sinks)
         out = torch.empty_like(q)
         if d:
-            out[:d] = _decode(q[:d], k_pool, v_pool, scale, meta, softcap, sinks)
-        extend_attention(q, k_pool, v_pool, scale, meta.extend, out, softcap, sinks)
+            out[:d] = _decode(q[:d], pools, scale, meta, softcap, sinks)
+        extend_attention(q, pools, scale, meta.extend, out, softcap, sinks)
         return out
+
+
+class Pools(NamedTuple):
+    """A layer's head-major K and V pools [kv_heads, slots, row] and their type."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    dtype: KVDtype
+
+    def heads(self, index: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V rows at `index` (head_index of slots of `shape`) as `dtype`: [kv_heads, *shape, d] each."""
+        return (self.dtype.decode(gather_heads(self.k, index, shape), dtype),
+                self.dtype.decode(gather_heads(self.v, index, shape), dtype))
+
+    def span(self, first: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots first..first + n - 1 of every KV head, read in place where the pool holds `dtype`:
+        [kv_heads, n, d] each."""
+        return (self.dtype.decode(self.k[:, first : first + n], dtype),
+                self.dtype.decode(self.v[:, first : first + n], dtype))
 
 
 def attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -134,16 +158,14 @@ def attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask
     return torch.matmul(probs, values)
 
 
-def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float,
-                     buckets: list[ExtendBucket], out: torch.Tensor, softcap: float | None = None,
-                     sinks: torch.Tensor | None = None) -> None:
+def extend_attention(q: torch.Tensor, pools: Pools, scale: float, buckets: list[ExtendBucket], out: torch.Tensor,
+                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
     """The extend rows' attention (their K/V already in the pool), into out [T, heads, d]: torch's
     fused attention per length bucket, causal within the new tokens."""
     heads, dim = q.shape[1], q.shape[2]
     for b in buckets:
         rows = b.kv_slots.shape[0]
-        keys = gather_heads(k_pool, b.index, b.kv_slots.shape).transpose(0, 1)  # [b, kv_heads, K, d]
-        values = gather_heads(v_pool, b.index, b.kv_slots.shape).transpose(0, 1)
+        keys, values = (t.transpose(0, 1) for t in pools.heads(b.index, b.kv_slots.shape, q.dtype))
         padded = q.new_zeros(rows * b.max_query, heads, dim)
         padded[b.query_dest] = q[b.tokens]
         queries = padded.view(rows, b.max_query, heads, dim).transpose(1, 2)
@@ -151,23 +173,23 @@ def extend_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         out[b.tokens] = o.transpose(1, 2).reshape(-1, heads, dim)[b.query_dest]
 
 
-def _decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float,
-            meta: TorchAttnMeta, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def _decode(q: torch.Tensor, pools: Pools, scale: float, meta: TorchAttnMeta, softcap: float | None = None,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [D, heads, d]: each decode row's one query over its whole context. The pools are
-    head-major [kv_heads, slots, d]; every product below is a bmm over (KV head, row) pairs
+    head-major [kv_heads, slots, row]; every product below is a bmm over (KV head, row) pairs
     that reads the gathered keys as they lie."""
     if not meta.shared:
-        return _decode_own(q, k_pool, v_pool, scale, meta.decode, softcap, sinks)
+        return _decode_own(q, pools, scale, meta.decode, softcap, sinks)
     rows, heads, dim = q.shape
-    kv_heads = k_pool.shape[0]
+    kv_heads = pools.k.shape[0]
     group = heads // kv_heads
     qg = q.float().view(rows, kv_heads, group, dim).transpose(0, 1) * scale  # [kv_heads, D, g, d]
     out = qg.new_empty(kv_heads, rows, group, dim)
     lse = qg.new_empty(kv_heads, rows, group, 1) if meta.shared else None
     for b in meta.decode:  # each row's own keys (all of them, for rows in no shared group)
         n, width = b.kv_slots.shape
-        keys = gather_heads(k_pool, b.index, b.kv_slots.shape).float().view(kv_heads * n, width, dim)
-        values = gather_heads(v_pool, b.index, b.kv_slots.shape).float().view(kv_heads * n, width, dim)
+        keys, values = pools.heads(b.index, b.kv_slots.shape, torch.float32)
+        keys, values = keys.reshape(kv_heads * n, width, dim), values.reshape(kv_heads * n, width, dim)
         queries = qg[:, b.rows].reshape(kv_heads * n, group, dim)
         scores = soft_cap(torch.bmm(queries, keys.transpose(1, 2)), softcap).view(kv_heads, n, group, width)
         if b.mask is not None:
@@ -178,12 +200,10 @@ def _decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: 
             lse[:, b.rows] = (m + l.log()).view(kv_heads, n, group, 1)
     for s in meta.shared:  # a group's common prefix, once for all its queries
         n = s.rows.shape[0]
-        if s.first is not None:  # a view of the pool: no copy of the prefix at all
-            keys = k_pool[:, s.first : s.first + s.slots.shape[0]].float()  # [kv_heads, L, d]
-            values = v_pool[:, s.first : s.first + s.slots.shape[0]].float()
+        if s.first is not None:  # a view of the pool: no copy of the prefix at all (in its type)
+            keys, values = pools.span(s.first, s.slots.shape[0], torch.float32)  # [kv_heads, L, d]
         else:
-            keys = gather_heads(k_pool, s.index, s.slots.shape).float()
-            values = gather_heads(v_pool, s.index, s.slots.shape).float()
+            keys, values = pools.heads(s.index, s.slots.shape, torch.float32)
         queries = qg[:, s.rows].reshape(kv_heads, n * group, dim)
         o, m, l = _partial_softmax(soft_cap(torch.bmm(queries, keys.transpose(1, 2)), softcap), values)  # [kv_heads, n g, L]
         o, m, l = (t.view(kv_heads, n, group, -1) for t in (o, m, l))
@@ -202,9 +222,8 @@ def soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return scores if softcap is None else torch.tanh(scores / softcap) * softcap
 
 
-def _decode_own(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale: float,
-                buckets: list[DecodeBucket], softcap: float | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+def _decode_own(q: torch.Tensor, pools: Pools, scale: float, buckets: list[DecodeBucket],
+                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode rows in no shared group: torch's fused attention per bucket, on keys gathered
     once (or, for a lone row whose slots are consecutive, on a view of the pool: no copy)."""
     rows, heads, dim = q.shape
@@ -212,11 +231,9 @@ def _decode_own(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, sca
     for b in buckets:
         n, width = b.kv_slots.shape
         if b.first is not None:
-            keys = k_pool[None, :, b.first : b.first + width]  # [1, kv_heads, K, d]
-            values = v_pool[None, :, b.first : b.first + width]
+            keys, values = (t[None] for t in pools.span(b.first, width, q.dtype))  # [1, kv_heads, K, d]
         else:
-            keys = gather_heads(k_pool, b.index, b.kv_slots.shape).transpose(0, 1)
-            values = gather_heads(v_pool, b.index, b.kv_slots.shape).transpose(0, 1)
+            keys, values = (t.transpose(0, 1) for t in pools.heads(b.index, b.kv_slots.shape, q.dtype))
         queries = (q if out is None else q[b.rows]).view(n, heads, 1, dim)
         mask = None if b.mask is None else b.mask[:, None]
         o = attend(queries, keys, values, mask, scale, softcap, sinks).view(n, heads, dim)
@@ -236,7 +253,7 @@ def _partial_softmax(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.
 
 
 def gather(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Rows `slots` (any shape) of one layer's pool [slots, kv_heads, d]: index_select on the
+    """Rows `slots` (any shape) of one layer's pool [slots, kv_heads, row]: index_select on the
     flat indices, about 4x faster on CPU than advanced indexing (`pool[slots]`)."""
     return torch.index_select(pool, 0, slots.reshape(-1)).view(*slots.shape, *pool.shape[1:])
 
@@ -247,8 +264,8 @@ def head_index(slots: torch.Tensor, kv_heads: int, num_slots: int) -> torch.Tens
 
 
 def gather_heads(pool: torch.Tensor, index: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """Rows of a head-major pool [kv_heads, slots, d] at `index` (head_index of slots of `shape`):
-    [kv_heads, *shape, d]. One index_select over the flat view, several times faster on CPU than
+    """Rows of a head-major pool [kv_heads, slots, row] at `index` (head_index of slots of `shape`):
+    [kv_heads, *shape, row]. One index_select over the flat view, several times faster on CPU than
     selecting along the slot dimension."""
     return torch.index_select(pool.view(-1, pool.shape[2]), 0, index).view(pool.shape[0], *shape, pool.shape[2])
 

@@ -1,7 +1,9 @@
 """Attention with the Triton kernels in `kernels/`: the K/V store, extend and split-KV decode.
 
 The default on CUDA. On a CPU it runs only under Triton's interpreter
-(TRITON_INTERPRET=1 set before triton is first imported): slow, for tests.
+(TRITON_INTERPRET=1 set before triton is first imported): slow, for tests. Pools of
+every KV type: rows converted to the pool's type before the store (`KVDtype.encode`),
+and back as the kernels load them.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ class TritonAttention(AttentionBackend):
         if window is not None or softcap is not None or sinks is not None:
             raise NotImplementedError("the triton attention backend has no sliding window, soft cap or sinks")
         k_cache, v_cache = fb.kv_pool.k[layer], fb.kv_pool.v[layer]
-        k, v = k.contiguous(), v.contiguous()
-        self._store(k_cache, v_cache, fb.out_slots, k, v)
+        kv = fb.kv_pool.dtype
+        self._store(k_cache, v_cache, fb.out_slots, kv.encode(k).contiguous(), kv.encode(v).contiguous())
         q = q.contiguous()
         table = fb.req_to_token.table
         if fb.mode is ForwardMode.DECODE:
@@ -57,12 +59,12 @@ class TritonAttention(AttentionBackend):
                                 num_splits=DECODE_SPLITS, workspace=self._splits(q.shape[0]))
         d = fb.num_decode
         if not d:
-            return self._extend(q, k, v, k_cache, v_cache, table, fb.req_rows, fb.prefix_lens, fb.extend_lens, scale,
+            return self._extend(q, k_cache, v_cache, table, fb.req_rows, fb.prefix_lens, fb.extend_lens, scale,
                                 max_extend_len=fb.max_extend_len)
         # a mixed batch: its one-token rows (packed first) on the split-KV decode kernel
         out = torch.empty_like(q)
         self._decode(q[:d], k_cache, v_cache, table, fb.req_rows[:d], fb.seq_lens[:d], scale,
                      num_splits=DECODE_SPLITS, out=out[:d], workspace=self._splits(d))
-        self._extend(q[d:], k[d:], v[d:], k_cache, v_cache, table, fb.req_rows[d:], fb.prefix_lens[d:],
-                     fb.extend_lens[d:], scale, max_extend_len=fb.max_extend_len, out=out[d:])
+        self._extend(q[d:], k_cache, v_cache, table, fb.req_rows[d:], fb.prefix_lens[d:], fb.extend_lens[d:], scale,
+                     max_extend_len=fb.max_extend_len, out=out[d:])
         return out
