@@ -46,13 +46,15 @@ def cpu_info() -> tuple[str, list[str]]:
     return model, [f for f in FEATURES if f in flags]
 
 
-# SmolLM2-135M's matrix shapes: (out, in) of qkv, o, gate_up, down per layer; the LM head apart
-def kernel_bench_args() -> argparse.Namespace:
-    """The kernel tables' command line (--quick, --threads): torch's threads set, the seed fixed,
-    and the CPU line every table stands beside printed."""
+def kernel_bench_args(*extra: tuple[str, dict]) -> argparse.Namespace:
+    """The kernel tables' command line (--quick, --threads, and `extra` (flag, add_argument's
+    options) pairs): torch's threads set, the seed fixed, and the CPU line every table stands
+    beside printed."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    for flag, options in extra:
+        ap.add_argument(flag, **options)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -61,12 +63,24 @@ def kernel_bench_args() -> argparse.Namespace:
     return args
 
 
+# SmolLM2-135M's matrix shapes: (out, in) of qkv, o, gate_up, down per layer; the LM head apart
 HIDDEN, INTER, QKV, VOCAB = 576, 1536, 960, 49152
+# (hidden, intermediate, qkv rows, vocabulary, layers) of the shapes people run, SmolLM2's vocabulary
+# (benchmarks/make_models.py's files)
+SHAPES = {"smollm2": (HIDDEN, INTER, QKV, VOCAB, 30), "llama-1b": (2048, 8192, 3072, VOCAB, 16),
+          "llama-8b": (4096, 14336, 6144, VOCAB, 32)}
 
 
 def smollm2_shapes(layers: int = 30) -> list[tuple[int, int]]:
     """The weight matrices a SmolLM2 step multiplies by, `layers` decoder layers and the LM head."""
-    return [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * layers + [(VOCAB, HIDDEN)]
+    return model_shapes("smollm2", layers)
+
+
+def model_shapes(name: str, layers: int | None = None) -> list[tuple[int, int]]:
+    """The weight matrices a step of model `name` (SHAPES) multiplies by: `layers` decoder layers
+    (default: all of them) and the LM head."""
+    hidden, inter, qkv, vocab, depth = SHAPES[name]
+    return [(qkv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)] * (layers or depth) + [(vocab, hidden)]
 
 
 def best_of(tries: int, fn, *args) -> float:
@@ -79,12 +93,17 @@ def best_of(tries: int, fn, *args) -> float:
     return best
 
 
-def measure(quick: bool = False) -> Machine:
-    n = 1 << (24 if quick else 30)  # bytes copied: 1 GB, past any last-level cache
+def copy_bandwidth(quick: bool = False) -> float:
+    """Bytes a second torch's copy reads and writes, best of 5 (1 GB: past any last-level cache)."""
+    n = 1 << (24 if quick else 30)
     src = torch.ones(n, dtype=torch.uint8)  # written: untouched pages all read the one zero page, from cache
     dst = torch.empty_like(src)
     dst.copy_(src)
-    bandwidth = 2 * n / best_of(5, dst.copy_, src)
+    return 2 * n / best_of(5, dst.copy_, src)
+
+
+def measure(quick: bool = False) -> Machine:
+    bandwidth = copy_bandwidth(quick)
     size = 512 if quick else 2048
     a, b = torch.randn(size, size), torch.randn(size, size)
     flops = 0.0

@@ -67,9 +67,10 @@ def test_quant_kernels_quick():
     assert done.returncode == 0, done.stderr[-2000:]
     rows = dict(re.findall(r"^\| (fp32 F.linear|Q\w+ codes \w+) \| (.+) \|$", done.stdout, re.M))
     assert {"fp32 F.linear", "Q4_1 codes portable", "Q8_0 codes portable"} <= set(rows), done.stdout
+    assert re.search(r"^copy bandwidth [\d.]+ GB/s", done.stdout, re.M), done.stdout
     for name, cells in rows.items():
-        *times, error = (c.strip() for c in cells.split("|"))
-        assert all(float(t) > 0 for t in times), (name, times)
+        *times, share, error = (c.strip() for c in cells.split("|"))
+        assert all(float(t) > 0 for t in times) and re.fullmatch(r"\d+%", share), (name, times, share)
         # each kernel against the same quantized weights in fp32: only its own rounding (16-bit inputs) differs
         assert float(error) < 1e-3, (name, error)
 

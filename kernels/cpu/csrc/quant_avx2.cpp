@@ -55,6 +55,7 @@ RADIXLM_AVX2 void group_rows(const QuantizedActivations& x, const TileStream& w,
     }
     const uint8_t* t = p;
     p += l.tile();
+    if (m0 == 0) prefetch_tile(t, l.tile());  // the first pass over the group reads it from memory
     __m256 scale[2], zero = _mm256_setzero_ps();
     tile_scales<K>(w, head, t, scale, zero);
     const uint8_t* chunks = t + l.scales + l.zeros;

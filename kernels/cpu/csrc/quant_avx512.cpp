@@ -106,6 +106,10 @@ RADIXLM_AVX512 void groups_rows(const QuantizedActivations& x, const TileStream&
         pb += l.header;
       }
     }
+    if (m0 == 0) {  // the first pass over these groups reads them from memory; the others from L1
+      prefetch_tile(pa, tile);
+      if (pair) prefetch_tile(pb, tile);
+    }
     __m256 sa[2], sb[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, za = _mm256_setzero_ps(), zb = za;
     tile_scales<K>(w, ha, pa, sa, za);
     if (pair) tile_scales<K>(w, hb, pb, sb, zb);

@@ -12,6 +12,17 @@
 
 namespace radixlm {
 
+// How far ahead of the tile being read a matmul asks for the stream's next lines. A row group's
+// tiles are a few KB, so the hardware prefetcher, which ramps up anew at each 4 KB page and each
+// group, leaves a batch-1 pass waiting on memory; asking for every line of a tile this far ahead
+// keeps enough misses in flight.
+constexpr int64_t kPrefetchBytes = 2048;
+
+inline void prefetch_tile(const uint8_t* tile, int64_t bytes) {
+  if constexpr (kPrefetchBytes > 0)
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(tile + kPrefetchBytes + off, 0, 3);
+}
+
 RADIXLM_AVX2 inline __m256 load8(const uint8_t* p, bool wide) {
   return wide ? _mm256_loadu_ps(reinterpret_cast<const float*>(p))
               : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
