@@ -733,12 +733,16 @@ class Scheduler:
         return token in req.params.stop_token_ids or (token in self.eos_ids and not req.params.ignore_eos)
 
     def _store_embeddings(self, b: ScheduledBatch, out: WorkerOutput) -> None:
-        """Embedding requests' hidden states of this step, pooled as they come (a mean's chunks summed)."""
+        """Embedding requests' hidden states of this step, pooled as they come (a mean's chunks summed).
+        A chunk from position 0 starts the pool afresh: a mean's prompt is prefilled again from the
+        start after a retraction (none of it comes from the cache), and its positions count once."""
         at = 0
-        for req, _, count in b.embed_spans:
+        for req, first, count in b.embed_spans:
             part = out.embed_hidden[at : at + count].double().sum(0)
-            req.embed_sum = part if req.embed_sum is None else req.embed_sum + part
-            req.embed_count += count
+            if first == 0 or req.embed == "last":
+                req.embed_sum, req.embed_count = part, count
+            else:
+                req.embed_sum, req.embed_count = req.embed_sum + part, req.embed_count + count
             at += count
 
     def _store_prompt_logprobs(self, b: ScheduledBatch, out: WorkerOutput) -> None:

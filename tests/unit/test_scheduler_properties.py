@@ -99,7 +99,11 @@ class EchoWorker:
                     break
             next_ids.append(context[-1][0] % VOCAB)
         self.sampled = next_ids
-        return WorkerOutput(next_token_ids=next_ids)
+        out = WorkerOutput(next_token_ids=next_ids)
+        if b.embed_rows is not None:  # a position's "hidden state": its chain value, as just computed
+            slots = b.out_slots.tolist()
+            out.embed_hidden = torch.tensor([[float(self.kv[slots[i]][0])] for i in b.embed_rows.tolist()])
+        return out
 
 
 class ListPool:
@@ -123,6 +127,16 @@ class ListPool:
             self.kv[s] = (int(kv), int(t))
 
 
+def reference_embedding(prompt: list[int], pooling: str) -> float:
+    """The pooled "hidden state" of EchoWorker: the chain value of the last prompt position, or
+    the mean over every position."""
+    kv, values = 0, []
+    for t in prompt:
+        kv = chain(kv, t)
+        values.append(kv)
+    return float(values[-1]) if pooling == "last" else sum(values) / len(values)
+
+
 def reference(prompt: list[int], max_new: int, ignore_eos: bool) -> list[int]:
     kv = 0
     for t in prompt:
@@ -144,6 +158,7 @@ class Arrival:
     max_new: int
     ignore_eos: bool
     abort_after: int | None  # steps after arrival
+    embed: str | None = None  # an embedding request ("last", "mean"): its prompt pooled, no output
 
 
 prefixes = st.lists(st.integers(1, VOCAB - 1), min_size=0, max_size=24)
@@ -159,9 +174,10 @@ def workloads(draw):
         else:
             head = draw(st.sampled_from(heads))
             prompt = (head + draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=12)))[: CONTEXT - 24]
+        embed = draw(st.sampled_from([None, None, None, "last", "mean"]))
         arrivals.append(Arrival(
-            step=draw(st.integers(0, 12)), prompt=prompt, max_new=draw(st.integers(0, 20)),
-            ignore_eos=draw(st.booleans()), abort_after=draw(st.none() | st.integers(0, 10)),
+            step=draw(st.integers(0, 12)), prompt=prompt, max_new=0 if embed else draw(st.integers(0, 20)),
+            ignore_eos=draw(st.booleans()), abort_after=draw(st.none() | st.integers(0, 10)), embed=embed,
         ))
     return arrivals
 
@@ -220,12 +236,22 @@ def _run_workload(sched: Scheduler, worker: EchoWorker, arrivals: list[Arrival])
     tokens: dict[str, list[int]] = {}
     finishes: dict[str, list[dict]] = {}
     aborts = {}
+    embeddings: dict[str, list[float] | None] = {}
+    retracted_embeds = set()
+    real_make_room = sched._make_room
+
+    def make_room() -> None:  # which embedding requests stepped back (and so pooled their prompt again)
+        before = {r.rid for r in sched.running if r.embed} | ({sched.chunked.rid} if sched.chunked else set())
+        real_make_room()
+        retracted_embeds.update(r.rid for r in sched.waiting if r.rid in before)
+
+    sched._make_room = make_room
     step = 0
     while step < 2000:
         for i, a in enumerate(arrivals):
             if a.step == step:
                 sched.add_request(TokenizedRequest(f"r{i}", a.prompt, SamplingParams(
-                    max_new_tokens=a.max_new, ignore_eos=a.ignore_eos, temperature=0)))
+                    max_new_tokens=a.max_new, ignore_eos=a.ignore_eos, temperature=0), embed=a.embed))
                 tokens[f"r{i}"], finishes[f"r{i}"] = [], []
                 if a.abort_after is not None:
                     aborts[f"r{i}"] = step + a.abort_after
@@ -240,6 +266,7 @@ def _run_workload(sched: Scheduler, worker: EchoWorker, arrivals: list[Arrival])
             tokens[out.rid] += out.new_token_ids
             if out.finish_reason:
                 finishes[out.rid].append(out.finish_reason)
+                embeddings[out.rid] = out.embedding
         step += 1
         if step > max(a.step for a in arrivals) and not sched.has_work:
             break
@@ -258,10 +285,38 @@ def _run_workload(sched: Scheduler, worker: EchoWorker, arrivals: list[Arrival])
             assert tokens[rid] == want[: len(tokens[rid])], f"{rid} diverged before its abort"
         else:
             assert tokens[rid] == want, f"{rid}: {tokens[rid]} != oracle {want}"
+            if a.embed:  # float32, as the worker's hidden states are
+                assert embeddings[rid] == [pytest.approx(reference_embedding(a.prompt, a.embed), rel=1e-6)], rid
+    event(f"an embedding request retracted: {bool(retracted_embeds)}")
     sched.check_accounting()
     kv = sched.kv
     assert kv.cache.locked_pages == 0
     assert kv.allocator.num_free_pages + kv.cache.evictable_pages == kv.num_pages
+
+
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+def test_an_embedding_retracted_while_chunked_pools_its_prompt_once(pooling):
+    """A long embedding prompt is prefilled 3 tokens a step beside a decode that outgrows the pool:
+    the chunked prompt steps back, is prefilled again from the start once the decode ends, and its
+    pooled state is that of its prompt, each position once."""
+    sched = Scheduler(ServerArgs(chunked_prefill_size=3, max_running_requests=4, debug_accounting=True,
+                                 init_new_token_ratio=0.0, min_new_token_ratio=0.0, overlap_schedule="off"),
+                      EchoWorker(50, 1, 4))
+    decode, embed = [3, 4, 5, 6], list(range(1, 41))  # 4 + 40 new tokens and 40 to pool: 84 > 50 pages
+    sched.add_request(TokenizedRequest("decode", decode, SamplingParams(max_new_tokens=40, ignore_eos=True,
+                                                                        temperature=0)))
+    sched.add_request(TokenizedRequest("embed", embed, SamplingParams(max_new_tokens=0), embed=pooling))
+    tokens, pooled = [], None
+    while sched.has_work:
+        for out in sched.step():
+            if out.rid == "decode":
+                tokens += out.new_token_ids
+            elif out.finish_reason:
+                pooled = out.embedding
+    assert sched.num_retractions > 0, "the pool was meant to make the chunked prompt step back"
+    assert tokens == reference(decode, 40, True)
+    assert pooled == [pytest.approx(reference_embedding(embed, pooling), rel=1e-6)]
+    sched.check_accounting()
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
