@@ -18,7 +18,9 @@ Systems:
   request is done; `select` scores 8 prompts x their choices per pass), no
   cache across requests.
 - llama.cpp: `llama-server` on the same GGUF file, 32 parallel slots
-  (continuous batching, its own per-slot prompt cache), when
+  (continuous batching, its own per-slot prompt cache), with its defaults
+  (repacked weights; `--no-repack` only where those do not start, said beside
+  every ratio against it), when
   benchmarks/baselines/bin/llama-server or $LLAMA_SERVER exists (see
   benchmarks/baselines/install_llama_cpp.sh); skipped with a note otherwise.
 
@@ -37,8 +39,7 @@ same number of unconstrained tokens.
 
 Online section (`online`): `radixlm bench serve`'s client (runtime/bench_serve.py)
 at fixed concurrency against `radixlm serve` and then `llama-server` (the
-llama.cpp system, started with a current release's defaults: no
-`--no-repack`), each alone on the machine, on the same GGUF: OpenAI
+llama.cpp system, started as in the offline section), each alone on the machine, on the same GGUF: OpenAI
 `/v1/completions`, token-id prompts, streamed, greedy, `ignore_eos`, so both
 make every token. Three workloads: one stream; 32 streams with no sharing; 16
 streams over 4 interleaved groups that each share a ~1,000-token system prompt.
@@ -85,6 +86,8 @@ from radixlm.runtime import bench_serve  # noqa: E402
 from radixlm.runtime.launch import free_port, wait_until_serving  # noqa: E402
 from radixlm.runtime.model_config import default_model_path  # noqa: E402
 from workloads import Workload, all_workloads  # noqa: E402
+
+OFFLINE = "offline"  # the offline section's key among the llama.cpp runs' flags (the online ones: by model)
 
 HF_BATCH = 32
 HF_SCORE_BATCH = 8  # prompts per scoring pass (x4 choices = 32 rows): bigger padded passes were slower per row
@@ -395,21 +398,56 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-@contextmanager
-def serving(name: str, command: list[str], port: int) -> Iterator[str]:
-    """Run a server process until the block ends; yields its URL once /health answers. A failed
-    start reports its log's tail."""
+def start_serving(name: str, command: list[str], port: int) -> tuple[subprocess.Popen, str]:
+    """A server process and its URL once /health answers; a failed start is stopped and reports
+    its log's tail."""
     url = f"http://127.0.0.1:{port}"
     proc, log_path = start_server(name, command, port)
     try:
-        try:
-            wait_until_serving(url, proc, timeout=300)
-        except RuntimeError as e:
-            with open(log_path) as f:
-                raise RuntimeError(f"{name}: {e}; {log_path} ends: {f.read()[-1500:]}") from None
+        wait_until_serving(url, proc, timeout=300)
+    except RuntimeError as e:
+        stop_server(proc)
+        with open(log_path) as f:
+            raise RuntimeError(f"{name}: {e}; {log_path} ends: {f.read()[-1500:]}") from None
+    return proc, url
+
+
+@contextmanager
+def serving(name: str, command: list[str], port: int) -> Iterator[str]:
+    """Run a server process until the block ends; yields its URL once /health answers."""
+    proc, url = start_serving(name, command, port)
+    try:
         yield url
     finally:
         stop_server(proc)
+
+
+LLAMA_DEFAULTS, LLAMA_NO_REPACK = "its defaults", "--no-repack: its defaults did not start"
+
+
+@contextmanager
+def serving_llama_cpp(binary: str, gguf: str, slots: int, slot_context: int,
+                      *extra: str) -> Iterator[tuple[str, str, list[str]]]:
+    """llama-server as its users get it: its defaults (weights repacked for its kernels, its fast
+    path on AVX2 and AVX-512); only where those do not start (a crash in the repacked path on some
+    CPUs), again with `--no-repack`. Yields its URL, which of the two ran (printed beside every
+    ratio) and the command."""
+    failure = RuntimeError("llama.cpp did not start")
+    for flags, which in (((), LLAMA_DEFAULTS), (("--no-repack",), LLAMA_NO_REPACK)):
+        port = free_port()
+        command = llama_server_command(binary, gguf, port, slots, slot_context, *flags, *extra)
+        try:
+            proc, url = start_serving("llama.cpp", command, port)
+        except RuntimeError as e:
+            failure = e
+            print(f"llama.cpp did not start with {which.split(':')[0]}: {e}", flush=True)
+            continue
+        try:
+            yield url, which, command
+        finally:
+            stop_server(proc)
+        return
+    raise failure
 
 
 class LlamaCpp:
@@ -560,9 +598,11 @@ def run_online(system: str, url: str, workloads: list[OnlineWorkload], model: st
 
 
 def online_section(workloads: list[OnlineWorkload], systems: list[str], models: dict[str, str],
-                   llama_binary: str | None, notes: list[str], commands: dict[str, dict[str, str]]) -> list[OnlineResult]:
+                   llama_binary: str | None, notes: list[str], commands: dict[str, dict[str, str]],
+                   llama_flags: dict[str, str]) -> list[OnlineResult]:
     """On each model file in turn: radixlm's server (its defaults; on the embedded file then with fp32
-    weights), then llama-server (its defaults, one slot per stream), each alone on the machine."""
+    weights), then llama-server (its defaults, one slot per stream; `serving_llama_cpp`), each alone
+    on the machine. `llama_flags` gets which llama.cpp ran on each model."""
     results: list[OnlineResult] = []
     for model, path in models.items():
         commands[model] = {}
@@ -575,11 +615,11 @@ def online_section(workloads: list[OnlineWorkload], systems: list[str], models: 
             with serving(system, command, port) as url:
                 results += run_online(system, url, workloads, model)
         if "llama.cpp" in systems and llama_binary:
-            port = free_port()
-            llama = llama_server_command(llama_binary, path, port, max(w.concurrency for w in workloads), 2048)
-            commands[model]["llama.cpp"] = shlex.join(llama)
             try:
-                with serving("llama.cpp", llama, port) as url:
+                with serving_llama_cpp(llama_binary, path, max(w.concurrency for w in workloads), 2048) as (url, which,
+                                                                                                           llama):
+                    commands[model]["llama.cpp"] = shlex.join(llama)
+                    llama_flags[model] = which
                     results += run_online("llama.cpp", url, workloads, model)
             except RuntimeError as e:  # e.g. a crash in its CPU kernels: radixlm's rows still stand
                 notes.append(f"online llama.cpp rows on {model} skipped: {e}")
@@ -623,8 +663,9 @@ def online_report(online: list[OnlineResult], workloads: list[OnlineWorkload], m
         path = meta["online_models"][model]
         lines += [f"### {model}: {os.path.basename(path)}, {os.path.getsize(path) / 1e6:.0f} MB", ""]
         lines += [f"- {system}: `{command}`" for system, command in meta["online_commands"][model].items()]
+        flags = meta["llama_flags"].get(model)
         lines += ["", "| workload | what | system | output tok/s | request/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
-                  "TPOT p99 ms | cache hit | radixlm / llama.cpp | note |",
+                  f"TPOT p99 ms | cache hit | radixlm / llama.cpp{f' ({flags})' if flags else ''} | note |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for w in workloads:
             for system in ONLINE_SYSTEMS:
@@ -659,20 +700,21 @@ def report(results: list[Result], workloads: list[Workload], online_results: lis
              f"`{meta['command']}` — {meta['date']}, {meta['machine']}, {offline_model}load average "
              f"{meta['load_before']:.1f} before, {meta['load_after']:.1f} after.", ""]
     if results:
-        lines += offline_report(results, workloads)
+        lines += offline_report(results, workloads, meta["llama_flags"].get(OFFLINE))
     if online_results:
         lines += online_report(online_results, online, meta)
     by = {(r.workload, r.system): r for r in results}
-    lines += [*targets(by, by_model(online_results)), "", *meta["notes"]]
+    lines += [*targets(by, by_model(online_results), meta["llama_flags"]), "", *meta["notes"]]
     return "\n".join(lines) + "\n"
 
 
-def offline_report(results: list[Result], workloads: list[Workload]) -> list[str]:
+def offline_report(results: list[Result], workloads: list[Workload], llama_flags: str | None) -> list[str]:
     by = {(r.workload, r.system): r for r in results}
     systems = [s for s in ALL_SYSTEMS if any(r.system == s for r in results)]
     lines = ["Throughput is programs (or raw requests) per second; a ratio is radixlm's throughput over the "
              "other system's, on the same work in the same run.", "",
-             "| workload | what | radixlm /s | vs hf-static | vs no-cache | vs fcfs | vs llama.cpp | radixlm cache hit |",
+             "| workload | what | radixlm /s | vs hf-static | vs no-cache | vs fcfs | "
+             f"vs llama.cpp{f' ({llama_flags})' if llama_flags else ''} | radixlm cache hit |",
              "|---|---|---|---|---|---|---|---|"]
     for w in workloads:
         ours = by.get((w.name, "radixlm"))
@@ -695,16 +737,20 @@ def offline_report(results: list[Result], workloads: list[Workload]) -> list[str
     return lines + [""]
 
 
-def targets(by: dict[tuple[str, str], Result], models: dict[str, dict[tuple[str, str], OnlineResult]]) -> list[str]:
+def targets(by: dict[tuple[str, str], Result], models: dict[str, dict[tuple[str, str], OnlineResult]],
+            llama_flags: dict[str, str]) -> list[str]:
     """Issue 7's targets and the online section's on the embedded file, issue 46's on any other file
-    (the sizes people run), met or not, from this run's numbers."""
+    (the sizes people run), met or not, from this run's numbers; a ratio against llama.cpp says
+    which llama.cpp ran (`serving_llama_cpp`)."""
     out = ["Targets:"]
     online = models.get(EMBEDDED, {})
 
-    def check(label: str, value: float | None, goal: float, fmt: str, higher: bool = True) -> None:
+    def check(label: str, value: float | None, goal: float, fmt: str, higher: bool = True, model: str = "") -> None:
         if value is None:
             out.append(f"- {label}: not measured in this run")
             return
+        if "llama.cpp" in label and model in llama_flags:
+            label += f" ({llama_flags[model]})"
         met = value >= goal if higher else value <= goal
         out.append(f"- {label}: {fmt.format(value)} (target {'≥' if higher else '≤'} {fmt.format(goal)}): "
                    f"{'met' if met else 'missed'}")
@@ -715,29 +761,30 @@ def targets(by: dict[tuple[str, str], Result], models: dict[str, dict[tuple[str,
 
     check("few-shot (mmlu) vs hf-static", speedup("mmlu", "hf-static"), 8.0, "{:.2f}x")
     check("no sharing, 32 clients, vs hf-static", speedup("no-sharing", "hf-static"), 2.0, "{:.2f}x")
-    check("no sharing, 32 clients, vs llama.cpp", speedup("no-sharing", "llama.cpp"), 1.0, "{:.2f}x")
+    check("no sharing, 32 clients, vs llama.cpp", speedup("no-sharing", "llama.cpp"), 1.0, "{:.2f}x", model=OFFLINE)
     nocache = speedup("no-sharing", "radixlm no-cache")
     check("radix cache overhead with no sharing (wall, cache on / off - 1)",
           None if nocache is None else 1 / nocache - 1, 0.01, "{:+.1%}", higher=False)
     for model, other in models.items():
         if model != EMBEDDED:
             check(f"{model}: online one stream, output tok/s vs llama.cpp",
-                  online_ratio(other, "one-stream", "output_tok_s"), 1.3, "{:.2f}x")
+                  online_ratio(other, "one-stream", "output_tok_s"), 1.3, "{:.2f}x", model=model)
             check(f"{model}: online no sharing, 32 streams, output tok/s vs llama.cpp",
-                  online_ratio(other, "no-sharing", "output_tok_s"), 2.0, "{:.2f}x")
+                  online_ratio(other, "no-sharing", "output_tok_s"), 2.0, "{:.2f}x", model=model)
             check(f"{model}: online shared prompts, request/s vs llama.cpp",
-                  online_ratio(other, "shared-prompts", "request_throughput"), 4.0, "{:.2f}x")
+                  online_ratio(other, "shared-prompts", "request_throughput"), 4.0, "{:.2f}x", model=model)
     if models and not online:
         return out
     check("online no sharing, 32 streams, output tok/s vs llama.cpp", online_ratio(online, "no-sharing", "output_tok_s"),
-          1.5, "{:.2f}x")
+          1.5, "{:.2f}x", model=EMBEDDED)
     pair = online_pair(online, "no-sharing")
     ours, theirs = (pair[0].summary["tpot_ms"]["p50"], pair[1].summary["tpot_ms"]["p50"]) if pair else (None, 0.0)
-    check("online no sharing, 32 streams, TPOT p50 vs llama.cpp's", ours, theirs, "{:.1f} ms", higher=False)
+    check("online no sharing, 32 streams, TPOT p50 vs llama.cpp's", ours, theirs, "{:.1f} ms", higher=False,
+          model=EMBEDDED)
     check("online shared prompts, 16 streams, request/s vs llama.cpp",
-          online_ratio(online, "shared-prompts", "request_throughput"), 5.0, "{:.2f}x")
+          online_ratio(online, "shared-prompts", "request_throughput"), 5.0, "{:.2f}x", model=EMBEDDED)
     check("online one stream, output tok/s vs llama.cpp", online_ratio(online, "one-stream", "output_tok_s"),
-          1.2, "{:.2f}x")
+          1.2, "{:.2f}x", model=EMBEDDED)
     served, fp32 = online.get(("no-sharing", "radixlm")), online.get(("no-sharing", "radixlm fp32"))
     check("online no sharing, 32 streams, output tok/s as served vs fp32 weights",
           served.summary["output_tok_s"] / fp32.summary["output_tok_s"] if served and fp32 and served.valid and fp32.valid
@@ -896,11 +943,9 @@ def main() -> None:
         notes.append("llama.cpp: no llama-server binary (bash benchmarks/baselines/install_llama_cpp.sh builds "
                      "one); its rows are skipped.")
         print(notes[-1])
+    llama_flags: dict[str, str] = {}  # which llama.cpp ran: OFFLINE's and each online model's
     if binary and workloads:
-        port = free_port()
-        # --no-repack: the repacked (AMX) matmul path crashes on this VM's CPU; the plain Q4_1 path runs.
-        with serving("llama.cpp", llama_server_command(binary, path, port, 32, 2048, "--no-repack", "--no-webui"),
-                     port) as url:
+        with serving_llama_cpp(binary, path, 32, 2048, "--no-webui") as (url, llama_flags[OFFLINE], _):
             server = LlamaCpp(url)
             try:
                 for w in workloads:
@@ -914,10 +959,11 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d %H:%M"), "quick": args.quick, "notes": notes,
             "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__} with {torch.get_num_threads()} threads",
             "cpu": cpu_description(), "llama_cpp_version": llama_cpp_version(binary) if binary else None,
-            "online_commands": commands, "online_models": models, "load_before": load_before}
+            "online_commands": commands, "online_models": models, "load_before": load_before,
+            "llama_flags": llama_flags}
     if online:
         print(f"CPU: {meta['cpu']}\nllama.cpp: {meta['llama_cpp_version'] or 'not run'}", flush=True)
-        online_results = online_section(online, systems, models, binary, notes, commands)
+        online_results = online_section(online, systems, models, binary, notes, commands, llama_flags)
     meta["load_after"] = os.getloadavg()[0]
     text = report(results, workloads, online_results, online, meta)
     stem = "summary" if results else "online"  # an online-only run leaves the full run's summary alone
