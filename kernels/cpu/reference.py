@@ -18,8 +18,10 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     m, k = x.shape
     blocks = x.view(m, k // BLOCK, BLOCK)
     amax = blocks.abs().amax(-1)
-    d = amax / 32767
-    inv = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))
+    inv = torch.full_like(amax, 32767) / amax  # (a tensor's division: `32767 / amax` is 32767 * (1 / amax) in torch)
+    finite = inv.isfinite()  # not where max|x| is 0 or below ~1e-34: a block of zeros (csrc/common.h block_scale)
+    d = torch.where(finite, amax / 32767, 0.0)
+    inv = torch.where(finite, inv, 0.0)
     q = torch.round(blocks * inv[..., None])  # round half to even, as the kernels
     return q.to(torch.int16).view(m, k), d, d * q.sum(-1)
 
@@ -48,12 +50,14 @@ HALF_MAX = 65504.0
 def encode_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows x [..., d] float32 as a KV pool of `dtype` stores them (csrc/kv_types.h): float16
     saturated at +-65504 then rounded to nearest even, bfloat16 rounded to nearest even; int8 as
-    d codes round(x * (127 / max|x|)) and then the row's scale max|x| / 127 in 4 bytes: [..., d + 4]."""
+    d codes round(x * (127 / max|x|)) and then the row's scale max|x| / 127 in 4 bytes: [..., d + 4]
+    (a row whose 127 / max|x| is not finite, max|x| 0 or below ~4e-37, is zeros: codes and scale)."""
     if dtype == torch.int8:
         amax = x.abs().amax(-1, keepdim=True)
-        inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-        codes = torch.round(x * inv).to(torch.int8)
-        return torch.cat([codes, (amax / 127).contiguous().view(torch.int8)], -1)
+        inv = torch.full_like(amax, 127) / amax
+        finite = inv.isfinite()
+        codes = torch.round(x * torch.where(finite, inv, 0.0)).to(torch.int8)
+        return torch.cat([codes, torch.where(finite, amax / 127, 0.0).contiguous().view(torch.int8)], -1)
     if dtype == torch.float16:
         x = x.clamp(-HALF_MAX, HALF_MAX)
     return x.to(dtype)

@@ -19,10 +19,11 @@ class KVDtype:
 
     fp32, fp16, bf16 and fp8_e4m3 rows are the values in that type, rounded to nearest even
     (fp16 and fp8 saturated at their largest); an int8 row is head_dim codes followed by the row's
-    fp32 scale in 4 bytes (symmetric: code = round(x * 127 / max|x|), scale = max|x| / 127), a scale
-    per row and not per page, since a page is written over many steps. Every reader of a pool
-    (the native kernels, the torch and Triton backends) converts rows to the compute dtype as it
-    reads them; the native kernels write rows bitwise as `encode` does (kernels/cpu/csrc/kv_types.h)."""
+    fp32 scale in 4 bytes (symmetric: code = round(x * 127 / max|x|), scale = max|x| / 127; a row
+    whose 127 / max|x| overflows is zeros), a scale per row and not per page, since a page is
+    written over many steps. Every reader of a pool (the native kernels, the torch and Triton
+    backends) converts rows to the compute dtype as it reads them; the native kernels write rows
+    bitwise as `encode` does (kernels/cpu/csrc/kv_types.h)."""
 
     name: str  # fp32, fp16, bf16, int8, fp8_e4m3
     storage: torch.dtype  # the pool tensors' dtype
@@ -43,9 +44,10 @@ class KVDtype:
         if self.scaled:
             x = x.float()
             amax = x.abs().amax(-1, keepdim=True)
-            inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-            codes = torch.round(x * inv).to(torch.int8)
-            return torch.cat([codes, (amax / 127).contiguous().view(torch.int8)], -1)
+            inv = torch.full_like(amax, 127) / amax
+            finite = inv.isfinite()  # not where max|x| is 0 or below ~4e-37: a row of zeros, codes and scale
+            codes = torch.round(x * torch.where(finite, inv, 0.0)).to(torch.int8)
+            return torch.cat([codes, torch.where(finite, amax / 127, 0.0).contiguous().view(torch.int8)], -1)
         if self.name == "fp16":
             x = x.clamp(-HALF_MAX, HALF_MAX)
         elif self.name == "fp8_e4m3":

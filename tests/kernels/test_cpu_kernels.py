@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from radixlm.kernels import cpu
-from radixlm.kernels.cpu import build, reference as ref
+from radixlm.kernels.cpu import reference as ref
 
 cpu.load()
 PATHS = list(range(cpu.best_isa() + 1))  # every path this CPU runs: portable (0) first
@@ -35,6 +35,16 @@ def test_rms_norm_with_and_without_the_residual(dim):
     assert torch.allclose(out, ref.rms_norm(res + x, w, 1e-5), rtol=1e-5, atol=1e-6)
 
 
+def test_rms_norm_names_bad_arguments():
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="weight must be a contiguous float32 \\[64\\] CPU tensor, got Float \\[64\\] on meta"):
+        cpu.rms_norm(x, torch.ones(64, device="meta"), 1e-5)  # (a CUDA weight would be read on the host)
+    with pytest.raises(RuntimeError, match="weight must be a contiguous float32 \\[64\\] CPU tensor, got Double"):
+        cpu.rms_norm(x, torch.ones(64, dtype=torch.float64), 1e-5)
+    with pytest.raises(RuntimeError, match="residual must be a contiguous 2-D float32 CPU tensor"):
+        cpu.rms_norm(x, torch.ones(64), 1e-5, torch.zeros(2, 64, device="meta"))
+
+
 @pytest.mark.parametrize("isa", PATHS)
 def test_silu_mul(isa):
     gen = torch.Generator().manual_seed(5)
@@ -42,20 +52,6 @@ def test_silu_mul(isa):
     g[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
     got, want = cpu.silu_mul(g, isa=isa), ref.silu_mul(g)
     assert torch.allclose(got, want, rtol=2e-6, atol=1e-7), (got - want).abs().max()
-
-
-def test_the_build_is_cached_and_keyed_by_sources_and_cpu(monkeypatch):
-    key = build.build_key()
-    library = build.cache_root() / key / f"radixlm_cpu_{key}.so"
-    assert library.exists() and build.load() == str(library)  # loaded from the cache, not rebuilt
-    monkeypatch.setattr(build, "cpu_flags", lambda: ["avx2", "avx512f"])
-    assert build.build_key() != key  # another CPU kind: another build
-
-
-def test_a_missing_compiler_is_named(monkeypatch, tmp_path):
-    monkeypatch.setenv("CXX", "no-such-c++")
-    with pytest.raises(build.NativeBuildError, match="no-such-c\\+\\+.*--quantization none"):
-        build._build("radixlm_cpu_test", tmp_path)
 
 
 def _step(gen: torch.Generator, tokens: int, heads: int, kv_heads: int, d: int, slots: int = 300,
@@ -103,7 +99,8 @@ def test_the_pool_rounds_as_torch_at_the_edges(dtype):
     """Values where rounding is hard, stored by every path (rotary at position 0 is the identity):
     exact ties between two neighbours (to the even one), fp16's subnormals and the halfway point
     below its least one, values past fp16's largest (saturated to +-65504, not inf), bf16 carries
-    into the exponent; an int8 row of zeros (scale 0) and rows whose largest value ties."""
+    into the exponent; an int8 row of zeros (scale 0), one too small for 127 / max|x| to be finite
+    (zeros too: its codes would be undefined), and rows whose largest value ties."""
     heads, kv_heads, d = 2, 2, 32
     half_ties = [1 + 2 ** -11, 1 + 3 * 2 ** -11, 2 ** -24 * 1.5, 2 ** -24 * 2.5, 2 ** -25, 2 ** -25 * 1.0001, 2 ** -26,
                  6e-8, 65504.0, 65519.0, 65520.0, 1e6, -1e30, 2 ** -14 * (1 - 2 ** -11)]
@@ -116,6 +113,7 @@ def test_the_pool_rounds_as_torch_at_the_edges(dtype):
     rows[1, : len(edges)] = -edges
     rows[2, :d] = 0.0  # an int8 row of zeros
     rows[3, :d] = torch.tensor([3.0, -3.0] * (d // 2))  # ties for the largest magnitude
+    rows[4, :d] = torch.linspace(-1e-38, 1e-38, d)  # 127 / max|x| overflows: an int8 row of zeros, scale 0
     qkv = torch.cat([torch.randn(6, heads * d, generator=gen), rows], 1)
     cos2, sin2 = torch.ones(1, d), torch.zeros(1, d)
     positions, slots = torch.zeros(6, dtype=torch.int64), torch.arange(6)
@@ -125,6 +123,8 @@ def test_the_pool_rounds_as_torch_at_the_edges(dtype):
         cpu.rope_store(qkv.clone(), positions, cos2, sin2, k_pool, v_pool, slots, heads, kv_heads, isa=isa)
         assert torch.equal(k_pool, ref.encode_kv(k, dtype)), cpu.ISA_NAMES[isa]
         assert torch.equal(v_pool, ref.encode_kv(v, dtype)), cpu.ISA_NAMES[isa]
+        if dtype == torch.int8:
+            assert not k_pool[0, 4].any(), k_pool[0, 4]  # codes and scale's bytes
         if dtype == torch.float16:  # saturated (bf16 rounds past its largest to inf, as torch: fp32's range)
             assert ref.decode_kv(k_pool).isfinite().all() and ref.decode_kv(k_pool).abs().max() == 65504
 
@@ -163,7 +163,8 @@ def test_decode_attention_reads_the_pool_through_the_table(rows, group, d, seed,
 @pytest.mark.parametrize("group,d", [(3, 64), (2, 40), (4, 40), (8, 16)])
 def test_grouped_decode_attention_is_bitwise_each_head_alone(group, d, dtype):
     """Enough rows and the AVX2 path reads each key once for its KV head's query heads (one task a
-    (row, KV head)); a row alone takes one task a query head. Each head's output is the same bits.
+    (row, KV head)); a row alone takes one task a query head. Each head's output is the same bits,
+    also with soft-capped scores and sinks (on these kernels too, not the portable one).
     SmolLM2's 3 heads a KV head and 64 dimensions, and group sizes and widths that take the kernel's
     other key and dimension blockings with their ragged ends."""
     if cpu.best_isa() < 1:  # no feature missing: without AVX2 the dispatcher never takes the grouped kernel
@@ -176,23 +177,30 @@ def test_grouped_decode_attention_is_bitwise_each_head_alone(group, d, dtype):
     lens = torch.randint(1, 24, (rows,), generator=gen)
     q = qkv[:, : kv_heads * group * d]
     table_rows = torch.arange(rows)
-    for window in (0, 7):  # all keys, and a sliding layer's last 7
-        batch = cpu.decode_attention(q, k_pool, v_pool, table, table_rows, lens, SCALE, isa=1, window=window)
-        want = ref.decode_attention(q, k_pool, v_pool, table, table_rows, lens, SCALE, window)
-        assert torch.allclose(batch, want, rtol=1e-5, atol=1e-5), (window, (batch - want).abs().max())
+    sinks = torch.randn(kv_heads * group, generator=gen) * 2
+    # all keys, a sliding layer's last 7, Gemma 2's capped scores, gpt-oss's sinks (with a window)
+    for window, softcap, sink in ((0, 0.0, None), (7, 0.0, None), (0, 0.5, None), (0, 0.0, sinks), (7, 0.5, sinks)):
+        case = dict(window=window, softcap=softcap, sinks=sink)
+        batch = cpu.decode_attention(q, k_pool, v_pool, table, table_rows, lens, SCALE, isa=1, **case)
+        want = ref.decode_attention(q, k_pool, v_pool, table, table_rows, lens, SCALE, window, softcap, sink)
+        assert torch.allclose(batch, want, rtol=1e-5, atol=1e-5), (case, (batch - want).abs().max())
         for r in range(rows):
             alone = cpu.decode_attention(q[r : r + 1].clone(), k_pool, v_pool, table, table_rows[r : r + 1],
-                                         lens[r : r + 1], SCALE, isa=1, window=window)
-            assert torch.equal(alone, batch[r : r + 1]), (window, r)
+                                         lens[r : r + 1], SCALE, isa=1, **case)
+            assert torch.equal(alone, batch[r : r + 1]), (case, r)
+        # on the vector kernels (their sums in another order than the portable path's: other bits)
+        assert not torch.equal(batch, cpu.decode_attention(q, k_pool, v_pool, table, table_rows, lens, SCALE, isa=0,
+                                                           **case)), case
 
 
 @pytest.mark.parametrize("dtype", KV_TYPES)
-@pytest.mark.parametrize("group,d", [(3, 64), (2, 40), (5, 16)])
-def test_rows_on_one_prompt_read_it_once_and_get_each_rows_bits(group, d, dtype):
+@pytest.mark.parametrize("group,d,special", [(3, 64, False), (2, 40, True), (5, 16, False), (8, 64, True)])
+def test_rows_on_one_prompt_read_it_once_and_get_each_rows_bits(group, d, special, dtype):
     """Rows whose keys begin with the same 100 slots (requests on one cached prompt) are attended
     in sets that read those keys once; each row's output is bitwise its output alone, and near the
     torch reference. Beside them: rows of another prompt, a row that shares only 40 keys (too few
-    for a set), rows alone; lengths ragged around the shared part's blocks."""
+    for a set), rows alone; lengths ragged around the shared part's blocks. `special`: scores capped
+    as Gemma 2's and a sink per head as gpt-oss's (its 8 query heads a KV head, 64 dimensions)."""
     if cpu.best_isa() < 1:  # no feature missing: without AVX2 the dispatcher never forms sets (the portable
         # path reads every row's keys itself, tested above against the same reference)
         pytest.skip("the grouped kernel is the AVX2 path's; this CPU has no AVX2")
@@ -212,17 +220,19 @@ def test_rows_on_one_prompt_read_it_once_and_get_each_rows_bits(group, d, dtype)
     lens[0], lens[12] = 100, 80  # a row that is all prompt
     rows = torch.randperm(26, generator=gen)  # the sets' rows apart in the batch
     q = qkv[:, : kv_heads * group * d]
-    batch = cpu.decode_attention(q, k_pool, v_pool, table, rows, lens[rows], SCALE, isa=1)
-    want = ref.decode_attention(q, k_pool, v_pool, table, rows, lens[rows], SCALE)
+    softcap, sinks = (0.5, torch.randn(kv_heads * group, generator=gen) * 2) if special else (0.0, None)
+    case = dict(softcap=softcap, sinks=sinks)
+    batch = cpu.decode_attention(q, k_pool, v_pool, table, rows, lens[rows], SCALE, isa=1, **case)
+    want = ref.decode_attention(q, k_pool, v_pool, table, rows, lens[rows], SCALE, 0, softcap, sinks)
     assert torch.allclose(batch, want, rtol=1e-5, atol=1e-5), (batch - want).abs().max()
     for i in range(26):
         alone = cpu.decode_attention(q[i : i + 1].clone(), k_pool, v_pool, table, rows[i : i + 1], lens[rows][i : i + 1],
-                                     SCALE, isa=1)
+                                     SCALE, isa=1, **case)
         assert torch.equal(alone, batch[i : i + 1]), i
     # outside --deterministic the sets take the blocked kernel (extend_attention's), on every vector
     # path: the same attention to rounding, in another summation order (so not the exact bits)
     for isa in PATHS[1:]:
-        blocked = cpu.decode_attention(q, k_pool, v_pool, table, rows, lens[rows], SCALE, isa=isa, exact=False)
+        blocked = cpu.decode_attention(q, k_pool, v_pool, table, rows, lens[rows], SCALE, isa=isa, exact=False, **case)
         assert torch.allclose(blocked, want, rtol=1e-5, atol=1e-5), (cpu.ISA_NAMES[isa], (blocked - want).abs().max())
         assert not torch.equal(blocked, batch), "the sets took the exact kernel"
 
@@ -282,6 +292,39 @@ def test_extend_attention_names_bad_arguments():
         cpu.decode_attention(q, k_pool.to(torch.int8), v_pool.to(torch.int8), table, rows, prefix + 1, 0.25)
     with pytest.raises(RuntimeError, match="got Double"):
         cpu.rope_store(qkv, prefix, torch.ones(8, 16), torch.zeros(8, 16), k_pool.double(), v_pool.double(), prefix, 4, 2)
+
+
+MISMATCHES = {  # a pool made unlike the other in one way
+    "fewer slots": lambda p: p[:, :-1].clone(),
+    "another KV head count": lambda p: p[:-1].clone(),
+    "another row width": lambda p: p[..., :-1].clone(),
+    "another type": lambda p: p.half(),
+    "strided": lambda p: p.transpose(0, 1).contiguous().transpose(0, 1),
+    "no data (meta)": lambda p: torch.empty_like(p, device="meta"),
+}
+
+
+@pytest.mark.parametrize("pool", ["k_pool", "v_pool"])
+@pytest.mark.parametrize("how", MISMATCHES)
+def test_every_op_names_a_pool_unlike_the_other(pool, how):
+    """A K or V pool of fewer slots (once written and read past its end), other heads or rows,
+    another type, strided or without data: each op that reads the pools refuses it by name."""
+    gen = torch.Generator().manual_seed(5)
+    qkv, k_pool, v_pool = _step(gen, 3, 4, 2, 16, slots=40)
+    pools = {"k_pool": k_pool, "v_pool": v_pool}
+    pools[pool] = MISMATCHES[how](pools[pool])
+    k, v = pools["k_pool"], pools["v_pool"]
+    q, table, rows, lens = qkv[:, :64], torch.arange(40).view(2, 20), torch.tensor([0, 1]), torch.tensor([3, 5])
+    weights, _, cos2, sin2, dims = _random_decoder(0, layers=1, slots=40)
+    ops = {"rope_store": lambda: cpu.rope_store(qkv.clone(), torch.tensor([0, 1, 2]), cos2, sin2, k, v,
+                                                torch.tensor([1, 2, 3]), 4, 2),
+           "decode_attention": lambda: cpu.decode_attention(q, k, v, table, rows, lens, 0.25),
+           "extend_attention": lambda: cpu.extend_attention(q, k, v, table, rows, torch.tensor([0, 4]),
+                                                            torch.tensor([1, 2]), 0.25),
+           "Decoder": lambda: _decoder(weights, [[k], [v]], cos2, sin2, dims)}
+    for name, op in ops.items():
+        with pytest.raises(RuntimeError, match="k_pool|v_pool"):
+            op()
 
 
 def _random_decoder(seed: int, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, d: int = 16,
@@ -383,6 +426,9 @@ def test_the_decoder_names_bad_arguments():
         _decoder(weights[:-1], pools, cos2, sin2, dims)
     with pytest.raises(RuntimeError, match="qkv must have 128 rows"):
         _decoder([weights[0], weights[5]] + weights[2:], pools, cos2, sin2, dims)
+    with pytest.raises(RuntimeError, match="qkv bias must be a contiguous float32 \\[128\\] CPU tensor, got Float "
+                                           "\\[128\\] on meta"):
+        _decoder(weights[:2] + [weights[2].to("meta")] + weights[3:], pools, cos2, sin2, dims)
     decoder = _decoder(weights, pools, cos2, sin2, dims)
     table = torch.arange(64).view(4, 16)
     one = torch.tensor([0])

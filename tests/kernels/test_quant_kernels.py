@@ -44,8 +44,11 @@ def _check_product(x: torch.Tensor, tiled: cpu.Tiled, values: torch.Tensor) -> t
 
 @settings(max_examples=60, deadline=None)
 @given(m=st.integers(1, 9), kinds=st.lists(st.sampled_from(FORMATS), min_size=1, max_size=3),
-       rows=st.lists(st.integers(1, 37), min_size=3, max_size=3), blocks=st.integers(1, 3), seed=st.integers(0, 2**16))
-def test_every_format_against_the_reference_and_across_paths(m, kinds, rows, blocks, seed):
+       rows=st.lists(st.integers(1, 37), min_size=3, max_size=3), blocks=st.integers(1, 3), seed=st.integers(0, 2**16),
+       tiny=st.sampled_from([None, 1e-30, 1e-34, 1e-36, 1e-39, 1e-44]))
+def test_every_format_against_the_reference_and_across_paths(m, kinds, rows, blocks, seed, tiny):
+    """`tiny`: some activation blocks, and the first row whole, scaled down to that magnitude
+    (below ~1e-34, 32767 / max|x| is no float: such blocks are zeros on every path)."""
     rng = np.random.default_rng(seed)
     cols = blocks * (256 if any(k in ref.K_FORMATS for k in kinds) else 32 * (1 + seed % 3))
     tiled, values = _matrix(rng, kinds, rows, cols)
@@ -53,6 +56,10 @@ def test_every_format_against_the_reference_and_across_paths(m, kinds, rows, blo
     picked = torch.tensor([[tiled.rows - 1, 0], [tiled.rows // 2, 0]])
     assert torch.equal(cpu.dequantize_rows(tiled, picked), values[picked])  # the embedding's lookup
     x = torch.from_numpy(rng.standard_normal((m, cols)).astype(np.float32)) * 3
+    if tiny is not None:
+        small = torch.from_numpy(rng.random((m, cols // 32, 1)) < 0.3).repeat_interleave(32, 1).view(m, cols)
+        small[0] = True
+        x = torch.where(small, x * tiny, x)
     portable = _check_product(x, tiled, values)
     # batch invariance: each row alone gives its row of the batch, bit for bit
     for i in range(m):
@@ -98,9 +105,16 @@ def test_quantize_activations_is_the_references(isa):
     x = torch.randn(7, 160, generator=gen) * 4
     x[2, :32] = 0  # an all-zero block: scale 0, codes 0
     x[3, 5] = 0.5 * (x[3, :32].abs().max() / 32767) * 3  # odd multiples of half a step: ties round to even
+    # blocks too small for 32767 / max|x| to be a float (below ~1e-34: subnormals among them): zeros
+    x[4, 32:64] = torch.linspace(-1e-35, 1e-35, 32)
+    x[5, 64:96] = torch.linspace(-1e-40, 3e-45, 32)
+    x[6, 96:128] = 1e-34  # the first max|x| whose inverse is finite: quantized as any block
     q, d, s = cpu.quantize_activations(x, isa)
     rq, rd, rs = ref.quantize_activations(x)
     assert torch.equal(q, rq) and torch.equal(d, rd) and torch.equal(s, rs)
+    for row, block in ((2, 0), (4, 1), (5, 2)):
+        assert not q[row, 32 * block : 32 * block + 32].any() and d[row, block] == 0 and s[row, block] == 0
+    assert (q[6, 96:128] == 32767).all() and d[6, 3] == torch.tensor(1e-34) / 32767
 
 
 def test_bad_arguments_are_named():

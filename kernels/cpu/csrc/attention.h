@@ -4,6 +4,7 @@
 // (position -> slot), read in place and converted to fp32 as they are loaded.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "kv_types.h"
@@ -47,18 +48,24 @@ void store_kv_portable(const TokenLayout& x, const float* row, const KVLayer& kv
 // into libm in a build without -ffast-math, which cost ~10% of decode attention).
 inline float max_score(float top, float s) { return s > top ? s : top; }
 
+// How a head's scores become its softmax's logits: the dot products times `scale`, capped to
+// softcap * tanh(s / softcap) where softcap > 0 (Gemma 2), and where `sinks` is not null one more
+// logit in each softmax's sum with no value (gpt-oss): sinks[g] is the call's query head g's.
+struct Logits {
+  float scale;
+  float softcap = 0.0f;
+  const float* sinks = nullptr;
+  float cap(float s) const { return softcap > 0 ? softcap * std::tanh(s / softcap) : s; }
+  float sink(int64_t g) const { return sinks != nullptr ? sinks[g] : -INFINITY; }  // -inf: none
+};
+
 // One query head's attention over keys at `slots[0..len)` of KV head `kv_head`: scores, then max,
 // exp and their sum, then the values weighted, each in key order: the same order whatever the
 // batch. out: [head_dim]; scores: room for len floats.
 void decode_head_portable(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,
-                          int64_t len, float scale, float* scores, float* out);
+                          int64_t len, const Logits& logits, float* scores, float* out);
 void decode_head_avx2(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,
-                      int64_t len, float scale, float* scores, float* out);
-
-// decode_head_portable with each score s capped to softcap * tanh(s / softcap) before the softmax
-// (softcap > 0), and `sink` one more logit in the softmax, with no value (-INFINITY: none).
-void decode_head_special(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,
-                         int64_t len, float scale, float softcap, float sink, float* scores, float* out);
+                      int64_t len, const Logits& logits, float* scores, float* out);
 
 // The same for `heads` query heads that share KV head `kv_head` (query g at q + g * head_dim, its
 // output at out + g * head_dim, its scores at scores + g * len), each key and value read once for
@@ -67,7 +74,7 @@ inline bool decode_group_takes(int64_t heads, int64_t head_dim) {
   return heads >= 1 && heads <= 8 && head_dim % 8 == 0 && head_dim <= 256;
 }
 void decode_group_avx2(const float* q, int64_t heads, int64_t head_dim, const KVLayer& kv, int64_t kv_head,
-                       const int64_t* slots, int64_t len, float scale, float* scores, float* out);
+                       const int64_t* slots, int64_t len, const Logits& logits, float* scores, float* out);
 
 // Decode rows whose first `shared` keys are the same slots (requests on one cached prompt): row r's
 // query heads of one KV head at q[r], its keys at slots[r][0..lens[r]), its output at out[r].
@@ -82,6 +89,6 @@ struct SharedRows {
 // block at a time (not once per row): bitwise each row's decode_group_avx2. scratch: room for
 // heads x (sum of lens + n x head_dim) floats.
 void decode_shared_avx2(const SharedRows& set, int64_t heads, int64_t head_dim, const KVLayer& kv, int64_t kv_head,
-                        float scale, float* scratch);
+                        const Logits& logits, float* scratch);
 
 }  // namespace radixlm

@@ -3,6 +3,9 @@
 // key and value vector converted to fp32 as it is loaded (load8), an int8 row's scale applied
 // once per row (its score, its weight), in the same order on every kernel here, so the grouped
 // and shared kernels stay bitwise the per-head one on every type.
+#include "common.h"  // RADIXLM_X86: the vector paths are built on x86 only
+#if RADIXLM_X86
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -86,12 +89,37 @@ RADIXLM_AVX2 void rope_store_avx2(const TokenLayout& x, const int64_t* positions
 
 namespace {
 
+// The exp of each score against its head's maximum and their sum, head by head, over a row's len
+// scores (head g's at scores + g * len): 8 scores a vector, then the rest one by one; a head's
+// sink (where it has one; its maximum is then no smaller) adds its term after the vectors'.
+template <int G>
+RADIXLM_AVX2 inline void softmax_heads(float* scores, int64_t len, const float* top, float* total,
+                                       const Logits& logits) {
+  for (int g = 0; g < G; ++g) {
+    float* sc = scores + g * len;
+    const __m256 topv = _mm256_set1_ps(top[g]);
+    __m256 sum = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) {
+      const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sc + j), topv));
+      _mm256_storeu_ps(sc + j, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    total[g] = hsum(sum);
+    if (logits.sinks != nullptr) total[g] += std::exp(logits.sinks[g] - top[g]);
+    for (; j < len; ++j) {
+      sc[j] = std::exp(sc[j] - top[g]);
+      total[g] += sc[j];
+    }
+  }
+}
+
 template <class E>
 RADIXLM_AVX2 void decode_head(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head,
-                              const int64_t* slots, int64_t len, float scale, float* scores, float* out) {
+                              const int64_t* slots, int64_t len, const Logits& logits, float* scores, float* out) {
   constexpr int64_t kMaxChunks = 32;  // head_dim up to 256
   const KVRows<E> keys = kv.keys<E>(kv_head), values = kv.values<E>(kv_head);
-  float top = -INFINITY;
+  float top = logits.sink(0), total;
   int64_t j = 0;
   for (; j + 4 <= len; j += 4) {  // four keys at a time: four independent chains of multiply-adds
     const typename E::T* key[4] = {keys.at(slots[j]), keys.at(slots[j + 1]), keys.at(slots[j + 2]), keys.at(slots[j + 3])};
@@ -101,7 +129,7 @@ RADIXLM_AVX2 void decode_head(const float* q, int64_t head_dim, const KVLayer& k
       for (int u = 0; u < 4; ++u) acc[u] = _mm256_fmadd_ps(qv, load8<E>(key[u] + i), acc[u]);
     }
     for (int u = 0; u < 4; ++u) {
-      scores[j + u] = hsum(acc[u]) * keys.key_factor(slots[j + u], scale);
+      scores[j + u] = logits.cap(hsum(acc[u]) * keys.key_factor(slots[j + u], logits.scale));
       top = max_score(top, scores[j + u]);
     }
   }
@@ -109,22 +137,10 @@ RADIXLM_AVX2 void decode_head(const float* q, int64_t head_dim, const KVLayer& k
     const typename E::T* key = keys.at(slots[j]);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < head_dim; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8<E>(key + i), acc);
-    scores[j] = hsum(acc) * keys.key_factor(slots[j], scale);
+    scores[j] = logits.cap(hsum(acc) * keys.key_factor(slots[j], logits.scale));
     top = max_score(top, scores[j]);
   }
-  const __m256 topv = _mm256_set1_ps(top);
-  __m256 sum = _mm256_setzero_ps();
-  j = 0;
-  for (; j + 8 <= len; j += 8) {
-    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(scores + j), topv));
-    _mm256_storeu_ps(scores + j, e);
-    sum = _mm256_add_ps(sum, e);
-  }
-  float total = hsum(sum);
-  for (; j < len; ++j) {
-    scores[j] = std::exp(scores[j] - top);
-    total += scores[j];
-  }
+  softmax_heads<1>(scores, len, &top, &total, logits);
   __m256 acc[kMaxChunks];
   const int64_t chunks = head_dim / 8;
   for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_setzero_ps();
@@ -140,13 +156,13 @@ RADIXLM_AVX2 void decode_head(const float* q, int64_t head_dim, const KVLayer& k
 }  // namespace
 
 RADIXLM_AVX2 void decode_head_avx2(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head,
-                                   const int64_t* slots, int64_t len, float scale, float* scores, float* out) {
-  if (head_dim % 8 || head_dim > 256) return decode_head_portable(q, head_dim, kv, kv_head, slots, len, scale, scores, out);
+                                   const int64_t* slots, int64_t len, const Logits& logits, float* scores, float* out) {
+  if (head_dim % 8 || head_dim > 256) return decode_head_portable(q, head_dim, kv, kv_head, slots, len, logits, scores, out);
   switch (kv.type) {
-    case KVType::f16: return decode_head<F16>(q, head_dim, kv, kv_head, slots, len, scale, scores, out);
-    case KVType::bf16: return decode_head<BF16>(q, head_dim, kv, kv_head, slots, len, scale, scores, out);
-    case KVType::i8: return decode_head<I8>(q, head_dim, kv, kv_head, slots, len, scale, scores, out);
-    default: return decode_head<F32>(q, head_dim, kv, kv_head, slots, len, scale, scores, out);
+    case KVType::f16: return decode_head<F16>(q, head_dim, kv, kv_head, slots, len, logits, scores, out);
+    case KVType::bf16: return decode_head<BF16>(q, head_dim, kv, kv_head, slots, len, logits, scores, out);
+    case KVType::i8: return decode_head<I8>(q, head_dim, kv, kv_head, slots, len, logits, scores, out);
+    default: return decode_head<F32>(q, head_dim, kv, kv_head, slots, len, logits, scores, out);
   }
 }
 
@@ -190,7 +206,8 @@ RADIXLM_AVX2 inline void weigh_values(const KVRows<E>& values, int64_t head_dim,
 // latency. Each key's score is the same chain whatever range or batch of keys it falls in.
 template <class E, int G>
 RADIXLM_AVX2 inline void score_keys(const float* q, int64_t head_dim, const KVRows<E>& keys, const int64_t* slots,
-                                    int64_t a, int64_t b, float scale, float* scores, int64_t stride, float* top) {
+                                    int64_t a, int64_t b, const Logits& logits, float* scores, int64_t stride,
+                                    float* top) {
   const int64_t chunks = head_dim / 8;
   constexpr int U = G <= 3 ? 4 : (G <= 6 ? 2 : 1);
   int64_t j = a;
@@ -206,9 +223,9 @@ RADIXLM_AVX2 inline void score_keys(const float* q, int64_t head_dim, const KVRo
         for (int g = 0; g < G; ++g) acc[u][g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + 8 * i), k, acc[u][g]);
       }
     for (int u = 0; u < U; ++u) {
-      const float factor = keys.key_factor(slots[j + u], scale);
+      const float factor = keys.key_factor(slots[j + u], logits.scale);
       for (int g = 0; g < G; ++g) {
-        const float s = hsum(acc[u][g]) * factor;
+        const float s = logits.cap(hsum(acc[u][g]) * factor);
         scores[g * stride + j + u] = s;
         top[g] = max_score(top[g], s);
       }
@@ -222,32 +239,11 @@ RADIXLM_AVX2 inline void score_keys(const float* q, int64_t head_dim, const KVRo
       const __m256 k = load8<E>(key + 8 * i);
       for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + 8 * i), k, acc[g]);
     }
-    const float factor = keys.key_factor(slots[j], scale);
+    const float factor = keys.key_factor(slots[j], logits.scale);
     for (int g = 0; g < G; ++g) {
-      const float s = hsum(acc[g]) * factor;
+      const float s = logits.cap(hsum(acc[g]) * factor);
       scores[g * stride + j] = s;
       top[g] = max_score(top[g], s);
-    }
-  }
-}
-
-// decode_head_avx2's exp and sum, head by head, over a row's len scores (head g's at scores + g * len).
-template <int G>
-RADIXLM_AVX2 inline void softmax_heads(float* scores, int64_t len, const float* top, float* total) {
-  for (int g = 0; g < G; ++g) {
-    float* sc = scores + g * len;
-    const __m256 topv = _mm256_set1_ps(top[g]);
-    __m256 sum = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= len; j += 8) {
-      const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sc + j), topv));
-      _mm256_storeu_ps(sc + j, e);
-      sum = _mm256_add_ps(sum, e);
-    }
-    total[g] = hsum(sum);
-    for (; j < len; ++j) {
-      sc[j] = std::exp(sc[j] - top[g]);
-      total[g] += sc[j];
     }
   }
 }
@@ -263,13 +259,13 @@ constexpr int kWeighWidth = std::max(1, std::min(4, (14 - G) / G));
 // decode_head_avx2's, so the results are bitwise its results.
 template <class E, int G>
 RADIXLM_AVX2 void decode_group(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head,
-                               const int64_t* slots, int64_t len, float scale, float* scores, float* out) {
+                               const int64_t* slots, int64_t len, const Logits& logits, float* scores, float* out) {
   const KVRows<E> keys = kv.keys<E>(kv_head), values = kv.values<E>(kv_head);
   const int64_t chunks = head_dim / 8;
   float top[G], total[G];
-  for (int g = 0; g < G; ++g) top[g] = -INFINITY;
-  score_keys<E, G>(q, head_dim, keys, slots, 0, len, scale, scores, len, top);
-  softmax_heads<G>(scores, len, top, total);
+  for (int g = 0; g < G; ++g) top[g] = logits.sink(g);
+  score_keys<E, G>(q, head_dim, keys, slots, 0, len, logits, scores, len, top);
+  softmax_heads<G>(scores, len, top, total, logits);
   constexpr int W = kWeighWidth<G>;
   int64_t c0 = 0;
   for (; c0 + W <= chunks; c0 += W) weigh_values<E, G, W>(values, head_dim, slots, len, scores, total, c0, out);
@@ -308,8 +304,8 @@ constexpr int64_t kSharedKeyBlock = 64;
 // decode_group for the rows of a set whose first `shared` keys are the same slots: those keys and
 // values are read once, a block at a time, for every row's heads, each row's chains unbroken.
 template <class E, int G>
-RADIXLM_AVX2 void decode_shared(const SharedRows& set, int64_t head_dim, const KVLayer& kv, int64_t kv_head, float scale,
-                                float* scratch) {
+RADIXLM_AVX2 void decode_shared(const SharedRows& set, int64_t head_dim, const KVLayer& kv, int64_t kv_head,
+                                const Logits& logits, float* scratch) {
   const KVRows<E> keys = kv.keys<E>(kv_head), values = kv.values<E>(kv_head);
   const int64_t n = set.n, shared = set.shared, chunks = head_dim / 8;
   std::vector<float*> scores(n);
@@ -320,15 +316,16 @@ RADIXLM_AVX2 void decode_shared(const SharedRows& set, int64_t head_dim, const K
   }
   float* acc = at;  // n x G x head_dim: row r's head g's dimension pass c at acc + (r G chunks + G c + ...) * 8
   std::fill(acc, acc + n * G * head_dim, 0.0f);
-  std::vector<float> top(n * G, -INFINITY), total(n * G);
+  std::vector<float> top(n * G), total(n * G);
+  for (int64_t i = 0; i < n * G; ++i) top[i] = logits.sink(i % G);
   for (int64_t j0 = 0; j0 < shared; j0 += kSharedKeyBlock)
     for (int64_t r = 0; r < n; ++r)
-      score_keys<E, G>(set.q[r], head_dim, keys, set.slots[r], j0, std::min(shared, j0 + kSharedKeyBlock), scale,
+      score_keys<E, G>(set.q[r], head_dim, keys, set.slots[r], j0, std::min(shared, j0 + kSharedKeyBlock), logits,
                        scores[r], set.lens[r], &top[r * G]);
   for (int64_t r = 0; r < n; ++r) {
-    score_keys<E, G>(set.q[r], head_dim, keys, set.slots[r], shared, set.lens[r], scale, scores[r], set.lens[r],
+    score_keys<E, G>(set.q[r], head_dim, keys, set.slots[r], shared, set.lens[r], logits, scores[r], set.lens[r],
                      &top[r * G]);
-    softmax_heads<G>(scores[r], set.lens[r], &top[r * G], &total[r * G]);
+    softmax_heads<G>(scores[r], set.lens[r], &top[r * G], &total[r * G], logits);
   }
   for (int64_t k0 = 0; k0 < shared; k0 += kSharedKeyBlock)
     for (int64_t r = 0; r < n; ++r)
@@ -356,33 +353,33 @@ RADIXLM_AVX2 void decode_shared(const SharedRows& set, int64_t head_dim, const K
 
 template <class E>
 RADIXLM_AVX2 void decode_shared_heads(const SharedRows& set, int64_t heads, int64_t head_dim, const KVLayer& kv,
-                                      int64_t kv_head, float scale, float* scratch) {
+                                      int64_t kv_head, const Logits& logits, float* scratch) {
   switch (heads) {
-    case 1: return decode_shared<E, 1>(set, head_dim, kv, kv_head, scale, scratch);
-    case 2: return decode_shared<E, 2>(set, head_dim, kv, kv_head, scale, scratch);
-    case 3: return decode_shared<E, 3>(set, head_dim, kv, kv_head, scale, scratch);
-    case 4: return decode_shared<E, 4>(set, head_dim, kv, kv_head, scale, scratch);
-    case 5: return decode_shared<E, 5>(set, head_dim, kv, kv_head, scale, scratch);
-    case 6: return decode_shared<E, 6>(set, head_dim, kv, kv_head, scale, scratch);
-    case 7: return decode_shared<E, 7>(set, head_dim, kv, kv_head, scale, scratch);
-    case 8: return decode_shared<E, 8>(set, head_dim, kv, kv_head, scale, scratch);
+    case 1: return decode_shared<E, 1>(set, head_dim, kv, kv_head, logits, scratch);
+    case 2: return decode_shared<E, 2>(set, head_dim, kv, kv_head, logits, scratch);
+    case 3: return decode_shared<E, 3>(set, head_dim, kv, kv_head, logits, scratch);
+    case 4: return decode_shared<E, 4>(set, head_dim, kv, kv_head, logits, scratch);
+    case 5: return decode_shared<E, 5>(set, head_dim, kv, kv_head, logits, scratch);
+    case 6: return decode_shared<E, 6>(set, head_dim, kv, kv_head, logits, scratch);
+    case 7: return decode_shared<E, 7>(set, head_dim, kv, kv_head, logits, scratch);
+    case 8: return decode_shared<E, 8>(set, head_dim, kv, kv_head, logits, scratch);
     default: return;  // decode_group_takes excludes it
   }
 }
 
 template <class E>
 RADIXLM_AVX2 void decode_group_heads(const float* q, int64_t heads, int64_t head_dim, const KVLayer& kv,
-                                     int64_t kv_head, const int64_t* slots, int64_t len, float scale, float* scores,
+                                     int64_t kv_head, const int64_t* slots, int64_t len, const Logits& logits, float* scores,
                                      float* out) {
   switch (heads) {
-    case 1: return decode_group<E, 1>(q, head_dim, kv, kv_head, slots, len, scale, scores, out);
-    case 2: return decode_group<E, 2>(q, head_dim, kv, kv_head, slots, len, scale, scores, out);
-    case 3: return decode_group<E, 3>(q, head_dim, kv, kv_head, slots, len, scale, scores, out);
-    case 4: return decode_group<E, 4>(q, head_dim, kv, kv_head, slots, len, scale, scores, out);
-    case 5: return decode_group<E, 5>(q, head_dim, kv, kv_head, slots, len, scale, scores, out);
-    case 6: return decode_group<E, 6>(q, head_dim, kv, kv_head, slots, len, scale, scores, out);
-    case 7: return decode_group<E, 7>(q, head_dim, kv, kv_head, slots, len, scale, scores, out);
-    case 8: return decode_group<E, 8>(q, head_dim, kv, kv_head, slots, len, scale, scores, out);
+    case 1: return decode_group<E, 1>(q, head_dim, kv, kv_head, slots, len, logits, scores, out);
+    case 2: return decode_group<E, 2>(q, head_dim, kv, kv_head, slots, len, logits, scores, out);
+    case 3: return decode_group<E, 3>(q, head_dim, kv, kv_head, slots, len, logits, scores, out);
+    case 4: return decode_group<E, 4>(q, head_dim, kv, kv_head, slots, len, logits, scores, out);
+    case 5: return decode_group<E, 5>(q, head_dim, kv, kv_head, slots, len, logits, scores, out);
+    case 6: return decode_group<E, 6>(q, head_dim, kv, kv_head, slots, len, logits, scores, out);
+    case 7: return decode_group<E, 7>(q, head_dim, kv, kv_head, slots, len, logits, scores, out);
+    case 8: return decode_group<E, 8>(q, head_dim, kv, kv_head, slots, len, logits, scores, out);
     default: return;  // decode_group_takes excludes it
   }
 }
@@ -390,23 +387,25 @@ RADIXLM_AVX2 void decode_group_heads(const float* q, int64_t heads, int64_t head
 }  // namespace
 
 RADIXLM_AVX2 void decode_shared_avx2(const SharedRows& set, int64_t heads, int64_t head_dim, const KVLayer& kv,
-                                     int64_t kv_head, float scale, float* scratch) {
+                                     int64_t kv_head, const Logits& logits, float* scratch) {
   switch (kv.type) {
-    case KVType::f16: return decode_shared_heads<F16>(set, heads, head_dim, kv, kv_head, scale, scratch);
-    case KVType::bf16: return decode_shared_heads<BF16>(set, heads, head_dim, kv, kv_head, scale, scratch);
-    case KVType::i8: return decode_shared_heads<I8>(set, heads, head_dim, kv, kv_head, scale, scratch);
-    default: return decode_shared_heads<F32>(set, heads, head_dim, kv, kv_head, scale, scratch);
+    case KVType::f16: return decode_shared_heads<F16>(set, heads, head_dim, kv, kv_head, logits, scratch);
+    case KVType::bf16: return decode_shared_heads<BF16>(set, heads, head_dim, kv, kv_head, logits, scratch);
+    case KVType::i8: return decode_shared_heads<I8>(set, heads, head_dim, kv, kv_head, logits, scratch);
+    default: return decode_shared_heads<F32>(set, heads, head_dim, kv, kv_head, logits, scratch);
   }
 }
 
 RADIXLM_AVX2 void decode_group_avx2(const float* q, int64_t heads, int64_t head_dim, const KVLayer& kv, int64_t kv_head,
-                                    const int64_t* slots, int64_t len, float scale, float* scores, float* out) {
+                                    const int64_t* slots, int64_t len, const Logits& logits, float* scores, float* out) {
   switch (kv.type) {
-    case KVType::f16: return decode_group_heads<F16>(q, heads, head_dim, kv, kv_head, slots, len, scale, scores, out);
-    case KVType::bf16: return decode_group_heads<BF16>(q, heads, head_dim, kv, kv_head, slots, len, scale, scores, out);
-    case KVType::i8: return decode_group_heads<I8>(q, heads, head_dim, kv, kv_head, slots, len, scale, scores, out);
-    default: return decode_group_heads<F32>(q, heads, head_dim, kv, kv_head, slots, len, scale, scores, out);
+    case KVType::f16: return decode_group_heads<F16>(q, heads, head_dim, kv, kv_head, slots, len, logits, scores, out);
+    case KVType::bf16: return decode_group_heads<BF16>(q, heads, head_dim, kv, kv_head, slots, len, logits, scores, out);
+    case KVType::i8: return decode_group_heads<I8>(q, heads, head_dim, kv, kv_head, slots, len, logits, scores, out);
+    default: return decode_group_heads<F32>(q, heads, head_dim, kv, kv_head, slots, len, logits, scores, out);
   }
 }
 
 }  // namespace radixlm
+
+#endif  // RADIXLM_X86

@@ -86,12 +86,12 @@ float dot(const float* q, const typename E::T* key, int64_t head_dim) {
 
 template <class E>
 void decode_head(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,
-                 int64_t len, float scale, float softcap, float sink, float* scores, float* out) {
+                 int64_t len, const Logits& logits, float* scores, float* out) {
   const KVRows<E> keys = kv.keys<E>(kv_head);
+  const float sink = logits.sink(0);
   float top = sink;
   for (int64_t j = 0; j < len; ++j) {
-    const float s = dot<E>(q, keys.at(slots[j]), head_dim) * keys.key_factor(slots[j], scale);
-    scores[j] = softcap > 0 ? softcap * std::tanh(s / softcap) : s;
+    scores[j] = logits.cap(dot<E>(q, keys.at(slots[j]), head_dim) * keys.key_factor(slots[j], logits.scale));
     top = max_score(top, scores[j]);
   }
   weigh_values<E>(head_dim, kv.values<E>(kv_head), slots, len, top, scores, out, sink);
@@ -99,19 +99,14 @@ void decode_head(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv
 
 }  // namespace
 
-void decode_head_special(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,
-                         int64_t len, float scale, float softcap, float sink, float* scores, float* out) {
-  switch (kv.type) {
-    case KVType::f16: return decode_head<F16>(q, head_dim, kv, kv_head, slots, len, scale, softcap, sink, scores, out);
-    case KVType::bf16: return decode_head<BF16>(q, head_dim, kv, kv_head, slots, len, scale, softcap, sink, scores, out);
-    case KVType::i8: return decode_head<I8>(q, head_dim, kv, kv_head, slots, len, scale, softcap, sink, scores, out);
-    default: return decode_head<F32>(q, head_dim, kv, kv_head, slots, len, scale, softcap, sink, scores, out);
-  }
-}
-
 void decode_head_portable(const float* q, int64_t head_dim, const KVLayer& kv, int64_t kv_head, const int64_t* slots,
-                          int64_t len, float scale, float* scores, float* out) {
-  decode_head_special(q, head_dim, kv, kv_head, slots, len, scale, 0.0f, -INFINITY, scores, out);
+                          int64_t len, const Logits& logits, float* scores, float* out) {
+  switch (kv.type) {
+    case KVType::f16: return decode_head<F16>(q, head_dim, kv, kv_head, slots, len, logits, scores, out);
+    case KVType::bf16: return decode_head<BF16>(q, head_dim, kv, kv_head, slots, len, logits, scores, out);
+    case KVType::i8: return decode_head<I8>(q, head_dim, kv, kv_head, slots, len, logits, scores, out);
+    default: return decode_head<F32>(q, head_dim, kv, kv_head, slots, len, logits, scores, out);
+  }
 }
 
 }  // namespace radixlm

@@ -2,9 +2,21 @@
 // and the per-ISA entry points each kernel file defines.
 #pragma once
 
+#include <cfloat>
 #include <cstdint>
 
 #include "tiles.h"
+
+// The vector paths are x86's. Elsewhere their files compile to nothing, best_isa() is the portable
+// path, and the code that picks a path names a vector function through RADIXLM_VECTOR: null
+// there, and never called.
+#if defined(__x86_64__) || defined(__i386__)
+#define RADIXLM_X86 1
+#define RADIXLM_VECTOR(f) (&f)
+#else
+#define RADIXLM_X86 0
+#define RADIXLM_VECTOR(f) nullptr
+#endif
 
 namespace radixlm {
 
@@ -24,6 +36,17 @@ constexpr int kBlock = 32;  // columns per activation block (one scale each)
 // (benchmarks/README.md); at 16 the activations' rounding is below fp32's accumulation noise.
 // Each block's q is stored in pair order (tiles.h `pair_order`: columns 1 and 2 of every 4
 // exchanged), so the two columns a weight lane pairs are one 32-bit load.
+// A block's d = max|x| / 32767 and the inverse its codes are rounded with, 32767 / max|x|. Where
+// that inverse is no finite float (max|x| 0, or below ~1e-34: subnormal values) the block is
+// zeros, d 0 and every code 0, on every path: an infinite inverse would make its codes undefined.
+struct BlockScale {
+  float d, inv;
+};
+inline BlockScale block_scale(float amax) {
+  const float inv = 32767.0f / amax;
+  return inv <= FLT_MAX ? BlockScale{amax / 32767.0f, inv} : BlockScale{0.0f, 0.0f};
+}
+
 struct QuantizedActivations {
   const int16_t* q;  // [rows, cols], each block in pair order
   const float* d;    // [rows, cols / 32]

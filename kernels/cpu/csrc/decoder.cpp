@@ -33,8 +33,10 @@ struct Linear {  // one projection on its tiled codes; the tensors are held so t
     RADIXLM_CHECK(given == rows, "radixlm: Decoder: ", what, " must have ", rows, " rows, got ", given);
     w = tiled_matrix(tiles_, segments_, rows, cols);
     if (bias_.defined() && bias_.numel() > 0) {
-      RADIXLM_CHECK(bias_.scalar_type() == at::kFloat && bias_.is_contiguous() && bias_.numel() == rows,
-                  "radixlm: Decoder: ", what, " bias must be float32 [", rows, "]");
+      RADIXLM_CHECK(bias_.device().is_cpu() && bias_.scalar_type() == at::kFloat && bias_.is_contiguous() &&
+                        bias_.numel() == rows,
+                    "radixlm: Decoder: ", what, " bias must be a contiguous float32 [", rows, "] CPU tensor, got ",
+                    bias_.scalar_type(), " ", bias_.sizes(), " on ", bias_.device().str());
       b = bias_.data_ptr<float>();
     }
   }

@@ -24,15 +24,15 @@ using BlockedKernel = void (*)(const QueryLayout&, const KVLayer&, const Blocked
 
 // The blocked attention kernel of the ISA where it takes the head dimension, else null.
 BlockedKernel blocked_kernel(Isa isa, int64_t head_dim) {
-  return isa == Isa::avx512 && blocked_avx512_takes(head_dim) ? attend_sources_avx512
-         : isa >= Isa::avx2 && blocked_avx2_takes(head_dim)    ? attend_sources_avx2
+  return isa == Isa::avx512 && blocked_avx512_takes(head_dim) ? RADIXLM_VECTOR(attend_sources_avx512)
+         : isa >= Isa::avx2 && blocked_avx2_takes(head_dim)    ? RADIXLM_VECTOR(attend_sources_avx2)
                                                                : nullptr;
 }
 
 }  // namespace
 
 void quantize_into(const float* x, int64_t rows, int64_t cols, const ActivationBuffer& out, Isa isa) {
-  auto run = isa >= Isa::avx2 ? quantize_rows_avx2 : quantize_rows_portable;
+  auto run = isa >= Isa::avx2 ? RADIXLM_VECTOR(quantize_rows_avx2) : &quantize_rows_portable;
   const int64_t nb = cols / kBlock;
   at::parallel_for(0, rows, grain(cols), [&](int64_t r0, int64_t r1) {
     run(x + r0 * cols, r1 - r0, cols, out.q + r0 * cols, out.d + r0 * nb, out.sum + r0 * nb);
@@ -43,7 +43,9 @@ void matmul_into(const float* x, int64_t m, const TiledMatrix& w, const float* b
                  float* y, Isa isa) {
   quantize_into(x, m, w.cols, scratch, isa);
   const QuantizedActivations xa{scratch.q, scratch.d, scratch.sum, m, w.cols};
-  auto run = isa == Isa::avx512 ? matmul_stream_avx512 : isa >= Isa::avx2 ? matmul_stream_avx2 : matmul_stream_portable;
+  auto run = isa == Isa::avx512 ? RADIXLM_VECTOR(matmul_stream_avx512)
+             : isa >= Isa::avx2   ? RADIXLM_VECTOR(matmul_stream_avx2)
+                                  : &matmul_stream_portable;
   // A task's row groups against the activations in slices of at most kSliceBytes: each group's
   // tiles are unpacked once per slice, and the slice stays in L2 across the task's groups (at
   // 1,024+ prefill rows the whole activation matrix did not, and the kernel fell 20% behind
@@ -86,14 +88,14 @@ void rms_norm_into(const float* x, const float* weight, float eps, float* residu
     for (int64_t i = 0; i < rows * dim; ++i) residual[i] += x[i];
     x = residual;
   }
-  auto run = isa >= Isa::avx2 ? rms_norm_rows_avx2 : rms_norm_rows_portable;
+  auto run = isa >= Isa::avx2 ? RADIXLM_VECTOR(rms_norm_rows_avx2) : &rms_norm_rows_portable;
   at::parallel_for(0, rows, grain(dim * 4), [&](int64_t r0, int64_t r1) {
     run(x + r0 * dim, weight, eps, r1 - r0, dim, out + r0 * dim);
   });
 }
 
 void silu_mul_into(const float* gate_up, int64_t rows, int64_t inner, float* out, Isa isa) {
-  auto run = isa >= Isa::avx2 ? silu_mul_rows_avx2 : silu_mul_rows_portable;
+  auto run = isa >= Isa::avx2 ? RADIXLM_VECTOR(silu_mul_rows_avx2) : &silu_mul_rows_portable;
   at::parallel_for(0, rows, grain(inner * 8), [&](int64_t r0, int64_t r1) {
     run(gate_up + r0 * 2 * inner, r1 - r0, inner, out + r0 * inner);
   });
@@ -101,7 +103,7 @@ void silu_mul_into(const float* gate_up, int64_t rows, int64_t inner, float* out
 
 void rope_store_tokens(const TokenLayout& x, int64_t tokens, const int64_t* positions, const float* cos2,
                        const float* sin2, const KVLayer& kv, const int64_t* out_slots, Isa isa) {
-  auto run = isa >= Isa::avx2 ? rope_store_avx2 : rope_store_portable;
+  auto run = isa >= Isa::avx2 ? RADIXLM_VECTOR(rope_store_avx2) : &rope_store_portable;
   at::parallel_for(0, tokens, grain(x.row_stride * 8),
                    [&](int64_t t0, int64_t t1) { run(x, positions, cos2, sin2, kv, out_slots, t0, t1); });
 }
@@ -158,24 +160,14 @@ std::vector<RowSet> row_sets(const DecodeRows& rows, int64_t most) {
 
 void decode_attention_into(const float* q, int64_t q_stride, int64_t heads, int64_t head_dim, const KVLayer& kv,
                            int64_t kv_heads, const DecodeRows& rows, float scale, float* out, Isa isa) {
-  auto run = isa >= Isa::avx2 ? decode_head_avx2 : decode_head_portable;
+  auto run = isa >= Isa::avx2 ? RADIXLM_VECTOR(decode_head_avx2) : &decode_head_portable;
   const int64_t group = heads / kv_heads;
   // row r's keys: the last `window` where a sliding layer has one
   auto first_key = [&](int64_t r) { return rows.window > 0 ? std::max<int64_t>(0, rows.seq_lens[r] - rows.window) : 0; };
+  // the logits of query heads from `first` on (their sinks)
+  auto logits = [&](int64_t first) { return Logits{scale, rows.softcap, rows.sinks ? rows.sinks + first : nullptr}; };
   const int64_t longest = rows.window > 0 ? std::min(rows.longest, rows.window) : rows.longest;
-  if (rows.softcap > 0 || rows.sinks) {  // capped scores (Gemma 2), sinks (gpt-oss): the portable kernel, one task per (row, query head)
-    at::parallel_for(0, rows.n * heads, 1, [&](int64_t a, int64_t b) {
-      std::vector<float> scores(longest);
-      for (int64_t task = a; task < b; ++task) {
-        const int64_t r = task / heads, h = task % heads, start = first_key(r);
-        decode_head_special(q + r * q_stride + h * head_dim, head_dim, kv, h / group,
-                            rows.table + rows.rows[r] * rows.table_cols + start, rows.seq_lens[r] - start, scale,
-                            rows.softcap, rows.sinks ? rows.sinks[h] : -INFINITY, scores.data(),
-                            out + (r * heads + h) * head_dim);
-      }
-    });
-    return;
-  }
+#if RADIXLM_X86
   // With enough rows, one task per (row, KV head): the group's query heads read each key and
   // value once (GQA: SmolLM2's 3 heads a KV head read the pool a third as often); rows on one
   // cached prompt go in sets whose task reads the prompt's keys once for all its rows (16 rows
@@ -203,15 +195,16 @@ void decode_attention_into(const float* q, int64_t q_stride, int64_t heads, int6
             sources.push_back({r, 1, rows.seq_lens[r] - 1, rows.table + rows.rows[r] * rows.table_cols});
           scratch.resize(blocked_scratch_floats(n * group, head_dim));
           positions.resize(n * group);
-          blocked(layout, kv, {sources.data(), n, h, set.shared}, scratch.data(), positions.data());
+          blocked(layout, kv, {sources.data(), n, h, set.shared, 0, rows.softcap, rows.sinks}, scratch.data(),
+                  positions.data());
           continue;
         }
         if (n == 1) {
           const int64_t r = set.rows[0], start = first_key(r);
           scratch.resize(group * longest);
           decode_group_avx2(q + r * q_stride + first * head_dim, group, head_dim, kv, h,
-                            rows.table + rows.rows[r] * rows.table_cols + start, rows.seq_lens[r] - start, scale,
-                            scratch.data(), out + (r * heads + first) * head_dim);
+                            rows.table + rows.rows[r] * rows.table_cols + start, rows.seq_lens[r] - start,
+                            logits(first), scratch.data(), out + (r * heads + first) * head_dim);
           continue;
         }
         qs.clear(), keys.clear(), lens.clear(), outs.clear();
@@ -225,18 +218,19 @@ void decode_attention_into(const float* q, int64_t q_stride, int64_t heads, int6
         }
         scratch.resize(group * (total + int64_t(set.rows.size()) * head_dim));
         const SharedRows shared{qs.data(), keys.data(), lens.data(), outs.data(), int64_t(set.rows.size()), set.shared};
-        decode_shared_avx2(shared, group, head_dim, kv, h, scale, scratch.data());
+        decode_shared_avx2(shared, group, head_dim, kv, h, logits(first), scratch.data());
       }
     });
     return;
   }
+#endif
   // one task per (row, query head), its keys in key order
   at::parallel_for(0, rows.n * heads, 1, [&](int64_t a, int64_t b) {
     std::vector<float> scores(longest);
     for (int64_t task = a; task < b; ++task) {
       const int64_t r = task / heads, h = task % heads, start = first_key(r);
       run(q + r * q_stride + h * head_dim, head_dim, kv, h / group, rows.table + rows.rows[r] * rows.table_cols + start,
-          rows.seq_lens[r] - start, scale, scores.data(), out + (r * heads + h) * head_dim);
+          rows.seq_lens[r] - start, logits(h), scores.data(), out + (r * heads + h) * head_dim);
     }
   });
 }
@@ -288,9 +282,10 @@ void extend_attention_into(const QueryLayout& x, const KVLayer& kv, const Extend
         const int64_t token = t - rows.token_starts[r], pos = rows.prefix_lens[r] + token;
         const int64_t start = rows.window > 0 ? std::max<int64_t>(0, pos + 1 - rows.window) : 0;
         scores.resize(pos + 1 - start);
-        decode_head_special(x.q + t * x.q_stride + h * d, d, kv, h / group,
-                            rows.table + rows.rows[r] * rows.table_cols + start, pos + 1 - start, x.scale, rows.softcap,
-                            rows.sinks ? rows.sinks[h] : -INFINITY, scores.data(), x.out + t * x.out_stride + h * d);
+        decode_head_portable(x.q + t * x.q_stride + h * d, d, kv, h / group,
+                             rows.table + rows.rows[r] * rows.table_cols + start, pos + 1 - start,
+                             {x.scale, rows.softcap, rows.sinks ? rows.sinks + h : nullptr}, scores.data(),
+                             x.out + t * x.out_stride + h * d);
       }
     });
     return;

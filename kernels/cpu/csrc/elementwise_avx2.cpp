@@ -1,5 +1,8 @@
 // The AVX2 path of the fused elementwise ops. RMSNorm is bitwise the portable path (same lanes,
 // same tree); SiLU uses a polynomial exp accurate to a few ulp, so it is tested to a tolerance.
+#include "common.h"  // RADIXLM_X86: the vector paths are built on x86 only
+#if RADIXLM_X86
+
 #include <cmath>
 
 #include "avx2.h"
@@ -44,3 +47,5 @@ RADIXLM_AVX2 void silu_mul_rows_avx2(const float* gate_up, int64_t rows, int64_t
 }
 
 }  // namespace radixlm
+
+#endif  // RADIXLM_X86

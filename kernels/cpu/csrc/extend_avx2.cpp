@@ -1,6 +1,9 @@
 // The AVX2 path of extend attention: extend_tile.h's loop on 8-lane vectors (head_dim a multiple
 // of 8; others take the portable path). Everything after the pragma is built for AVX2 and FMA;
 // ops.cpp calls it only where cpuid found them.
+#include "common.h"  // RADIXLM_X86: the vector paths are built on x86 only
+#if RADIXLM_X86
+
 #include <immintrin.h>
 
 #include <cmath>
@@ -55,3 +58,5 @@ void attend_sources_avx2(const QueryLayout& x, const KVLayer& kv, const BlockedT
 }  // namespace radixlm
 
 #pragma GCC pop_options
+
+#endif  // RADIXLM_X86

@@ -1,6 +1,9 @@
 // The AVX-512 path of extend attention: extend_tile.h's loop on 16-lane vectors (head_dim a
 // multiple of 16). Everything after the pragma is built for AVX-512 F; ops.cpp calls it only
 // where cpuid found the avx512 level's features. Its exp is the AVX2 path's, lane for lane.
+#include "common.h"  // RADIXLM_X86: the vector paths are built on x86 only
+#if RADIXLM_X86
+
 #include <immintrin.h>
 
 #include <cmath>
@@ -77,3 +80,5 @@ void attend_sources_avx512(const QueryLayout& x, const KVLayer& kv, const Blocke
 }  // namespace radixlm
 
 #pragma GCC pop_options
+
+#endif  // RADIXLM_X86

@@ -17,6 +17,7 @@
 // weight in the softmax sum is multiplied by its scale.
 #pragma once
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -127,13 +128,15 @@ struct KVRows {
 };
 
 // Write x [head_dim] into row `out` of type E, rounded to nearest even (an int8 row: its codes
-// round(x_i * 127 / max|x|) and scale max|x| / 127, as torch computes them).
+// round(x_i * 127 / max|x|) and scale max|x| / 127, as torch computes them; a row whose 127 /
+// max|x| is no finite float, max|x| 0 or below ~4e-37, is zeros: codes 0, scale 0).
 template <class E>
 inline void store_row(const float* x, int64_t head_dim, typename E::T* out) {
   if constexpr (E::scaled) {
     float amax = 0.0f;
     for (int64_t i = 0; i < head_dim; ++i) amax = std::fabs(x[i]) > amax ? std::fabs(x[i]) : amax;
-    const float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+    const bool finite = 127.0f / amax <= FLT_MAX;
+    const float scale = finite ? amax / 127.0f : 0.0f, inv = finite ? 127.0f / amax : 0.0f;
     for (int64_t i = 0; i < head_dim; ++i) out[i] = int8_t(std::nearbyint(x[i] * inv));
     std::memcpy(out + head_dim, &scale, 4);
   } else {

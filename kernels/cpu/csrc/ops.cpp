@@ -275,8 +275,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
                     int64_t isa_level) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), dim = x.size(1);
-  RADIXLM_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == dim,
-              "radixlm: rms_norm weight must be float32 [", dim, "]");
+  RADIXLM_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                    weight.numel() == dim,
+                "radixlm: rms_norm weight must be a contiguous float32 [", dim, "] CPU tensor, got ",
+                weight.scalar_type(), " ", weight.sizes(), " on ", weight.device().str());
   float* res = nullptr;
   if (residual.has_value() && residual->defined()) {
     check_rows(*residual, "residual");
@@ -347,7 +349,7 @@ AttentionShape attention_shape(const at::Tensor& q, const at::Tensor& k_pool, co
                 "radixlm: q must be a float32 [rows, heads * head_dim] CPU tensor with contiguous rows");
   const int64_t kv_heads = k_pool.dim() == 3 ? k_pool.size(0) : 0, d = pool_head_dim(k_pool);
   RADIXLM_CHECK(d > 0 && kv_heads > 0 && q.size(1) % d == 0 && (q.size(1) / d) % kv_heads == 0,
-                "radixlm: q's ", q.size(1), " columns are not whole query heads of the pool's ", kv_heads, " x ", d,
+                "radixlm: q's ", q.size(1), " columns are not whole query heads of k_pool's ", kv_heads, " x ", d,
                 k_pool.scalar_type() == at::kChar ? " (an int8 pool's rows: head_dim codes, then a 4-byte scale)" : "");
   return {q.size(1) / d, kv_heads, d, kv_layer(k_pool, v_pool, kv_heads, d)};
 }

@@ -2,11 +2,13 @@
 // Bitwise the portable path's results: the same exact integer dots, the same fused multiply-adds
 // in the same order. Built for AVX2 by target attributes, so the library loads on any x86 CPU and
 // this code runs only where the dispatcher found AVX2.
+#include "common.h"  // RADIXLM_X86: the vector paths are built on x86 only
+#if RADIXLM_X86
+
 #include <cmath>
 #include <cstring>
 
 #include "avx2.h"
-#include "common.h"
 #include "quant_tile.h"
 
 namespace radixlm {
@@ -125,9 +127,8 @@ RADIXLM_AVX2 void quantize_rows_avx2(const float* x, int64_t rows, int64_t cols,
       __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
       m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
       m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-      const float top = _mm_cvtss_f32(m4);
-      const float scale = top / 32767.0f;
-      const __m256 inv = _mm256_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+      const BlockScale scale = block_scale(_mm_cvtss_f32(m4));
+      const __m256 inv = _mm256_set1_ps(scale.inv);
       __m256i ints[4];
       __m256i total = _mm256_setzero_si256();
       for (int i = 0; i < 4; ++i) {
@@ -144,10 +145,12 @@ RADIXLM_AVX2 void quantize_rows_avx2(const float* x, int64_t rows, int64_t cols,
       __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
       t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
       t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
-      d[r * nb + b] = scale;
-      sum[r * nb + b] = scale * float(_mm_cvtsi128_si32(t4));
+      d[r * nb + b] = scale.d;
+      sum[r * nb + b] = scale.d * float(_mm_cvtsi128_si32(t4));
     }
   }
 }
 
 }  // namespace radixlm
+
+#endif  // RADIXLM_X86

@@ -8,11 +8,13 @@
 // activation pair is a plain broadcast (folded into the multiply-add) and one VNNI multiply-add
 // (vpdpwssd) sums two columns of 16 rows. Two tile streams are read side by side; a matrix with
 // an odd number of groups runs its last one in the low half alone.
+#include "common.h"  // RADIXLM_X86: the vector paths are built on x86 only
+#if RADIXLM_X86
+
 #include <algorithm>
 #include <cstring>
 
 #include "avx2.h"
-#include "common.h"
 #include "quant_tile.h"
 
 #define RADIXLM_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
@@ -183,3 +185,5 @@ void matmul_stream_avx512(const QuantizedActivations& x, const TileStream& w, in
 }
 
 }  // namespace radixlm
+
+#endif  // RADIXLM_X86

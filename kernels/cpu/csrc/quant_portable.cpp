@@ -43,16 +43,15 @@ void quantize_rows_portable(const float* x, int64_t rows, int64_t cols, int16_t*
       const float* xb = x + r * cols + b * kBlock;
       float amax = 0.0f;
       for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
-      const float scale = amax / 32767.0f;
-      const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+      const BlockScale scale = block_scale(amax);
       int32_t total = 0;
       for (int i = 0; i < kBlock; ++i) {
-        const int32_t v = int32_t(std::nearbyint(xb[i] * inv));
+        const int32_t v = int32_t(std::nearbyint(xb[i] * scale.inv));
         q[r * cols + b * kBlock + pair_order(i)] = int16_t(v);
         total += v;
       }
-      d[r * nb + b] = scale;
-      sum[r * nb + b] = scale * float(total);
+      d[r * nb + b] = scale.d;
+      sum[r * nb + b] = scale.d * float(total);
     }
   }
 }
