@@ -172,6 +172,11 @@ class ModelWorker:
             use_native_ops(model)
         log.info("weights: %s, %.1f MB (%s); native CPU kernels: %s", done.method, done.weight_bytes / 1e6,
                  "; ".join(f"{k}: {v}" for k, v in done.formats.items()), done.kernels)
+        if done.kernels_failure:
+            log.warning("the weights are served dense, %.1f MB (several times the file's quantized size, and "
+                        "slower), because the native CPU kernels could not be built here: %s. Fix that and start "
+                        "again, or pass --quantization none to serve dense weights on purpose",
+                        done.weight_bytes / 1e6, done.kernels_failure)
         return done
 
     def _kv_pool(self, cfg: ModelConfig) -> KVPool:
@@ -386,7 +391,7 @@ class ModelWorker:
         own layouts included."""
         q = self.quantization
         return {"served_quantization": q.method, "weight_formats": q.formats, "cpu_kernels": q.kernels,
-                "weight_bytes": quant.weight_bytes(self.model)}
+                "cpu_kernels_failure": q.kernels_failure or None, "weight_bytes": quant.weight_bytes(self.model)}
 
     def kv_info(self) -> dict:
         """The KV cache's element type and what a token's K and V take in this rank's pools (every

@@ -19,8 +19,7 @@ codes too under auto; int4 and int8 never take it below 8 bits.
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import torch
@@ -31,7 +30,6 @@ if TYPE_CHECKING:
     from radixlm.kernels.cpu import Part, Tiled
     from radixlm.runtime.worker.loader import Piece
 
-log = logging.getLogger(__name__)
 
 KERNEL_GROUP = 32  # columns per scale in the kernels' layout
 # The file formats the kernels serve as they are, by their codes' width
@@ -213,18 +211,25 @@ class Summary:
     formats: dict[str, str]  # role -> how it is served, e.g. "int4 g32: the file's Q4_1 codes"
     weight_bytes: int
     kernels: str = "none"  # the native kernels' path (kernels/cpu ISA name), or none
-    notes: list[str] = field(default_factory=list)
+    kernels_failure: str = ""  # why the kernels could not be built, where auto fell back to dense weights
 
 
-def native_kernels() -> str | None:
-    """The native kernels' path on this CPU (built on first use), or None with the reason logged."""
+class Kernels(NamedTuple):
+    """The native kernels' path on this CPU (kernels/cpu's ISA name), or None where the weights
+    stay dense; `failure`: why they could not be built, where that is why."""
+
+    isa: str | None
+    failure: str = ""
+
+
+def native_kernels() -> Kernels:
+    """The native kernels' path on this CPU (built on first use), or why they could not be built."""
     from radixlm.kernels import cpu
 
     try:
-        return cpu.isa_name()
+        return Kernels(cpu.isa_name())
     except cpu.NativeBuildError as e:
-        log.warning("%s", e)
-        return None
+        return Kernels(None, str(e))
 
 
 def _check(method: str, group: int) -> None:
@@ -234,7 +239,7 @@ def _check(method: str, group: int) -> None:
         raise ValueError(f"quantization group size must be one of {GROUP_SIZES}; got {group}")
 
 
-def plan_serving(model: torch.nn.Module, method: str, group: int, device: torch.device) -> str | None:
+def plan_serving(model: torch.nn.Module, method: str, group: int, device: torch.device) -> Kernels:
     """Before loading: mark each matrix module with what --quantization asks of it (`serving`),
     which its loader follows as its parts arrive. Returns the native kernels' path, or None where
     everything stays dense (`none`; auto without the kernels, or off a CPU)."""
@@ -242,26 +247,26 @@ def plan_serving(model: torch.nn.Module, method: str, group: int, device: torch.
     kernels = _kernels_for(method, device)
     for role in ("linear", "table"):
         for m in _matrices(model, role):
-            m.serving = Serving(method, group, role) if kernels else None
+            m.serving = Serving(method, group, role) if kernels.isa else None
     return kernels
 
 
-def _kernels_for(method: str, device: torch.device) -> str | None:
+def _kernels_for(method: str, device: torch.device) -> Kernels:
     if method == "none":
-        return None
+        return Kernels(None)
     if device.type != "cpu":
         if method != "auto":
             raise ValueError(f"--quantization {method} runs on CPU only (radixlm's native CPU kernels); "
                              f"on {device.type} use --quantization none")
-        return None
+        return Kernels(None)
     kernels = native_kernels()
-    if kernels is None and method != "auto":
+    if kernels.isa is None and method != "auto":
         raise ValueError(f"--quantization {method} needs radixlm's native CPU kernels, which could not be "
-                         "built here (the log says why); use --quantization none")
+                         f"built here ({kernels.failure}); use --quantization none")
     return kernels
 
 
-def quantize_dense(model: torch.nn.Module, method: str, group: int, device: torch.device) -> str | None:
+def quantize_dense(model: torch.nn.Module, method: str, group: int, device: torch.device) -> Kernels:
     """Serve an already loaded dense model's matrices as --quantization asks (random weights made
     in place, `--load-format dummy`): int4 and int8 requantize them; auto and none leave them."""
     from radixlm.runtime.worker.loader import Piece, Weight
@@ -269,7 +274,7 @@ def quantize_dense(model: torch.nn.Module, method: str, group: int, device: torc
     kernels = plan_serving(model, method, group, device)
     for m in _matrices(model, "linear") + _matrices(model, "table"):
         serving = m.__dict__.pop("serving", None)
-        if kernels is None or serving is None or serving.method == "auto":
+        if kernels.isa is None or serving is None or serving.method == "auto":
             continue
         w = m.weight.data
         q = serve([Piece(Weight(w, w.shape), slice(None), slice(None))], serving, tuple(w.shape))
@@ -283,7 +288,7 @@ def replace_weight(module: torch.nn.Module, q: QuantizedMatrix) -> None:
     module.weight = q
 
 
-def summarize(model: torch.nn.Module, requested: tuple[str, int], kernels: str | None, dtype: torch.dtype) -> Summary:
+def summarize(model: torch.nn.Module, requested: tuple[str, int], kernels: Kernels, dtype: torch.dtype) -> Summary:
     """After loading: what the served weights are (and `model.quantization` set to it); the
     tables' lookups return `dtype`, the model's."""
     for q in served_matrices(model):
@@ -301,7 +306,7 @@ def summarize(model: torch.nn.Module, requested: tuple[str, int], kernels: str |
     method = {frozenset({4}): "int4", frozenset({8}): "int8"}.get(frozenset(bits), "mixed" if bits else
                                                                    ("int8" if any_codes else "none"))
     summary = Summary(requested, method, {k: "; ".join(sorted(v)) for k, v in formats.items()}, weight_bytes(model),
-                      kernels=kernels if any_codes and kernels else "none")
+                      kernels=kernels.isa if any_codes and kernels.isa else "none", kernels_failure=kernels.failure)
     model.quantization = summary
     return summary
 

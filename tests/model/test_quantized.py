@@ -39,7 +39,7 @@ def test_auto_serves_the_files_own_codes(served, smol):
     flags = set(build.cpu_flags())
     best = ("avx512" if {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags
             else "avx2" if {"avx2", "fma", "f16c"} <= flags else "portable")
-    assert info["cpu_kernels"] == best, (info["cpu_kernels"], flags)
+    assert info["cpu_kernels"] == best and info["cpu_kernels_failure"] is None, (info["cpu_kernels"], flags)
     dense = smol.engine.worker.weights_info()
     assert dense["served_quantization"] == "none" and dense["cpu_kernels"] == "none"
     assert dense["weight_formats"]["layers"] == "dense float32 (dequantized from Q4_1)"
@@ -242,23 +242,34 @@ def test_any_checkpoint_quantizes(tiny_llama, tiny_hf_int4, method, dtype):
         engine.shutdown()
 
 
-def test_without_native_kernels_auto_serves_dense_and_int4_says_why(smol, monkeypatch):
-    """Where the native kernels cannot be built (no compiler, say), auto serves the file dense and
+def test_without_native_kernels_auto_serves_dense_and_int4_says_why(smol, monkeypatch, caplog):
+    """Where the native kernels cannot be built (no compiler, say), auto serves the file dense,
+    saying so at start (a warning) and in /get_server_info (`cpu_kernels_failure`: the cause), and
     --quantization int4 is refused naming the cause; --quantization none never needs them."""
+    import logging
+
     import torch
 
-    from radixlm.runtime.worker import quant
+    from radixlm.kernels import cpu
 
-    monkeypatch.setattr(quant, "native_kernels", lambda: None)
-    engine = LocalEngine(smol.path, tokenizer=smol.engine.tokenizer, max_total_tokens=2048)
+    def no_build(isa: int = -1) -> str:
+        raise cpu.NativeBuildError("the native CPU kernels need a C++ compiler ('c++' is not on PATH)")
+
+    monkeypatch.setattr(cpu, "isa_name", no_build)
+    with caplog.at_level(logging.WARNING):
+        engine = LocalEngine(smol.path, tokenizer=smol.engine.tokenizer, max_total_tokens=2048)
     try:
         info = engine.worker.weights_info()
         assert info["served_quantization"] == "none" and info["cpu_kernels"] == "none"
+        assert "'c++' is not on PATH" in info["cpu_kernels_failure"]
+        assert any("the weights are served dense" in r.message and "'c++' is not on PATH" in r.message
+                   for r in caplog.records)
         assert info["weight_formats"] == {"layers": "dense float32 (dequantized from Q4_1)",
                                           "embedding and LM head": "dense float32 (dequantized from Q8_0)"}
         assert all(isinstance(p, torch.nn.Parameter) for p in (engine.worker.model.lm_head.weight,
                                                                engine.worker.model.layers[0].mlp.down_proj.weight))
     finally:
         engine.shutdown()
-    with pytest.raises(ValueError, match="needs radixlm's native CPU kernels"):
+    with pytest.raises(ValueError, match="needs radixlm's native CPU kernels, which could not be built here \\(the "
+                                         "native CPU kernels need a C\\+\\+ compiler"):
         LocalEngine(smol.path, tokenizer=smol.engine.tokenizer, max_total_tokens=2048, quantization="int4")

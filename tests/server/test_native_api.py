@@ -38,6 +38,7 @@ def test_info_endpoints(server):
     assert sinfo["max_total_tokens"] == 30000 and sinfo["schedule_policy"] == "lpm"
     # the test server runs --quantization none (HF's weights); its fp32 weights and oneDNN's layout of each
     assert sinfo["quantization"] == "none" and sinfo["served_quantization"] == "none"
+    assert sinfo["cpu_kernels_failure"] is None  # (a string where auto fell back to dense weights: the cause)
     assert sinfo["weight_formats"] == {"layers": "dense float32 (dequantized from Q4_1)",
                                        "embedding and LM head": "dense float32 (dequantized from Q8_0)"}
     assert 538e6 <= sinfo["weight_bytes"] <= 2 * 538.1e6

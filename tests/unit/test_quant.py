@@ -163,8 +163,9 @@ def test_a_dense_model_quantizes_in_place():
     """Weights made in place (--load-format dummy): int8 puts every matrix on the codes, and a
     prefill-sized batch reads them as one row alone does (no dense copy is kept anywhere)."""
     model = _toy_model()
-    assert quant.quantize_dense(model, "int8", 32, torch.device("cpu")) is not None
-    summary = quant.summarize(model, ("int8", 32), cpu.isa_name(), torch.float32)
+    kernels = quant.quantize_dense(model, "int8", 32, torch.device("cpu"))
+    assert kernels.isa == cpu.isa_name()
+    summary = quant.summarize(model, ("int8", 32), kernels, torch.float32)
     served = [model.up.weight, model.down.weight, model.table.weight]
     assert all(isinstance(w, quant.QuantizedMatrix) for w in served)
     assert summary.method == "int8" and summary.weight_bytes == sum(w.nbytes for w in served)
