@@ -18,7 +18,6 @@ class ChatTemplate:
     suffix: dict[str, str]  # role -> text after it
     stop: tuple[str, ...] = ()  # end-of-turn strings, added to every gen in an assistant turn
     default_system: str | None = None  # the system turn the model's template adds when a chat has none
-    begin: str = ""  # text before the first turn (e.g. a BOS string)
     roles: tuple[str, ...] = field(default=("system", "user", "assistant"))
 
 
@@ -33,7 +32,6 @@ LLAMA3 = ChatTemplate(
     prefix={r: f"<|start_header_id|>{r}<|end_header_id|>\n\n" for r in ("system", "user", "assistant")},
     suffix={r: "<|eot_id|>" for r in ("system", "user", "assistant")},
     stop=("<|eot_id|>",),
-    begin="<|begin_of_text|>",
 )
 PLAIN = ChatTemplate(
     "plain",
@@ -60,13 +58,16 @@ def from_model(jinja: str | None, bos_token: str | None = None) -> ChatTemplate:
         base = LLAMA3
     else:
         return PLAIN
-    rendered = _render(jinja, [{"role": "user", "content": "\x00"}], bos_token)
-    begin = base.begin if rendered.startswith(base.begin) else ""
-    head = rendered[len(begin):]
+    # a template's BOS before its first turn (Llama 3's) is left out of a program's text: the runtime
+    # adds it, as it adds it to every text prompt (the tokenizer's special tokens, as SGLang's
+    # frontend relies on too). (ChatML's BOS, SmolLM2's <|im_start|>, is the turns' own marker.)
+    head = _render(jinja, [{"role": "user", "content": "\x00"}], bos_token)
+    if not head.startswith(tuple(base.prefix.values())):
+        head = head.removeprefix(bos_token or "")
     default_system = None
     if head.startswith(base.prefix["system"]):
         default_system = head[len(base.prefix["system"]):].split(base.suffix["system"], 1)[0]
-    return ChatTemplate(base.name, base.prefix, base.suffix, base.stop, default_system, begin)
+    return ChatTemplate(base.name, base.prefix, base.suffix, base.stop, default_system)
 
 
 def _render(jinja: str, messages: list[dict[str, str]], bos_token: str | None) -> str:

@@ -295,7 +295,6 @@ class ProgramState:
         if self._role is not None:
             raise ValueError(f"{role} turn begins inside the unfinished {self._role} turn")
         if not self._messages and not self._text:
-            self._append(t.begin)
             if role != "system" and t.default_system is not None:  # as the model's own template does
                 self._append(t.prefix["system"] + t.default_system + t.suffix["system"])
                 self._messages.append({"role": "system", "content": t.default_system})

@@ -66,7 +66,8 @@ class LocalEngine(GenerateAPI):
             if isinstance(plan, ChoiceScoring):
                 results.append(self._choice_result(plan, collected))
             else:
-                results.append(self._result(plan, collected[plan.rid], req.return_text_in_logprobs))
+                results.append(self._gathered(plan, collected[plan.rid], req.return_text_in_logprobs,
+                                              req.return_prompt_token_ids).result())
         return results
 
     def run(self, requests: list[TokenizedRequest], text_in_logprobs: list[bool] | None = None) -> list[dict[str, Any]]:
@@ -97,8 +98,9 @@ class LocalEngine(GenerateAPI):
             self.scheduler.wait_for_constraints(timeout=1.0)  # returns at once unless only compiles are left
         return collected
 
-    def _gathered(self, tr: TokenizedRequest, outs: list[TokenOutput], with_text: bool = False) -> RequestOutput:
-        gathered = RequestOutput(tr, self.tokenizer, with_text)
+    def _gathered(self, tr: TokenizedRequest, outs: list[TokenOutput], with_text: bool = False,
+                  with_prompt: bool = False) -> RequestOutput:
+        gathered = RequestOutput(tr, self.tokenizer, with_text, with_prompt)
         for out in outs:
             gathered.add(out)
         return gathered

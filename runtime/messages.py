@@ -34,6 +34,8 @@ class GenerateRequest:
     stream: bool = False
     embed: str | None = None  # "last" or "mean": the prompt's final hidden states pooled (/encode), no output
     lora_path: str | None = None  # the LoRA adapter (by name) the request runs on; None: the base model
+    return_prompt_token_ids: bool = False  # meta_info gets the prompt's ids (a stream's first output)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last this many ids (-1: as many as fit)
 
 
 @dataclass

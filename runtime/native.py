@@ -27,7 +27,8 @@ class BadRequest(ValueError):
 
 NATIVE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
                  "top_logprobs_num", "return_text_in_logprobs", "rid", "messages", "tools",
-                 "chat_template_kwargs", "require_reasoning", "log_metrics", "lora_path"}
+                 "chat_template_kwargs", "require_reasoning", "log_metrics", "lora_path",
+                 "return_prompt_token_ids", "truncate_prompt_tokens"}
 # Fields of SGLang's generate request for features radixlm does not have, and what is missing:
 # accepted when unset (None, false, 0, empty: clients send them so), else refused with a 400.
 UNSUPPORTED_FIELDS = {
@@ -51,8 +52,7 @@ UNSUPPORTED_FIELDS = {
     "conversation_id": "conversations kept by the server",
     "watermark": "watermarking",
     **dict.fromkeys(("priority", "extra_key", "cache_salt"), "request priorities or cache salts"),
-    **dict.fromkeys(("custom_labels", "no_logs", "return_bytes", "return_entropy", "return_prompt_token_ids"),
-                    "this request option"),
+    **dict.fromkeys(("custom_labels", "no_logs", "return_bytes", "return_entropy"), "this request option"),
 }
 
 
@@ -90,7 +90,11 @@ GENERATE_BODY_SCHEMA = {
         "tools": {"type": "array", "items": {"type": "object"}},  # OpenAI's shape, shown by the chat template
         "chat_template_kwargs": {"type": "object"},  # with messages: variables for the template (enable_thinking)
         "sampling_params": {"anyOf": [SAMPLING_PARAMS_SCHEMA, {"type": "array", "items": SAMPLING_PARAMS_SCHEMA}]},
-        **dict.fromkeys(("stream", "return_text_in_logprobs", "require_reasoning", "log_metrics"), _BOOL),
+        # return_prompt_token_ids: SGLang's, the prompt's ids beside the output's (`prompt_token_ids`)
+        **dict.fromkeys(("stream", "return_text_in_logprobs", "require_reasoning", "log_metrics",
+                         "return_prompt_token_ids"), _BOOL),
+        # vLLM's: only the prompt's last this many tokens (-1: as many as leave room for one new token)
+        "truncate_prompt_tokens": _INT,
         # one value for every prompt, or one per prompt (SGLang's batch form)
         "return_logprob": {"anyOf": [_BOOL, {"type": "array", "items": _BOOL}]},
         **dict.fromkeys(("logprob_start_len", "top_logprobs_num"), {"anyOf": [_INT, {"type": "array", "items": _INT}]}),
@@ -159,6 +163,8 @@ def native_requests(body: dict[str, Any]) -> tuple[list[GenerateRequest], bool]:
                 return_text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
                 stream=bool(body.get("stream", False)),
                 lora_path=lora[i],
+                return_prompt_token_ids=bool(body.get("return_prompt_token_ids", False)),
+                truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
             ))
     return reqs, single and len(reqs) == 1
 
@@ -217,7 +223,11 @@ def _per_prompt(body: dict[str, Any], key: str, default: Any, count: int, kind: 
 
 
 def native_result(out: ClientOutput) -> dict[str, Any]:
-    return {"text": out.text, "output_ids": out.token_ids, "meta_info": out.meta_info}
+    """A result in SGLang's shape: `prompt_token_ids` (when asked for) beside the output's, not in meta_info."""
+    meta = dict(out.meta_info)
+    prompt_ids = meta.pop("prompt_token_ids", None)
+    result = {"text": out.text, "output_ids": out.token_ids, "meta_info": meta}
+    return result if prompt_ids is None else {**result, "prompt_token_ids": prompt_ids}
 
 
 class CumulativeStream:
@@ -226,6 +236,7 @@ class CumulativeStream:
 
     def __init__(self) -> None:
         self.text, self.ids, self.lists = "", [], {}
+        self.prompt_ids: list[int] | None = None
 
     def chunk(self, out: ClientOutput) -> dict[str, Any]:
         meta = dict(out.meta_info)
@@ -234,11 +245,13 @@ class CumulativeStream:
             del self.ids[len(self.ids) - replaced:]
         self.ids.extend(out.token_ids)
         self.text += out.text
+        self.prompt_ids = meta.pop("prompt_token_ids", self.prompt_ids)  # (the first chunk has them)
         for key in ("output_token_logprobs", "output_top_logprobs"):
             if key in meta:
                 meta[key] = self.lists.setdefault(key, [])
                 meta[key].extend(out.meta_info[key])
-        return {"text": self.text, "output_ids": list(self.ids), "meta_info": meta}
+        chunk = {"text": self.text, "output_ids": list(self.ids), "meta_info": meta}
+        return chunk if self.prompt_ids is None else {**chunk, "prompt_token_ids": self.prompt_ids}
 
 
 class GenerateAPI(ABC):

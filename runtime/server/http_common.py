@@ -76,15 +76,20 @@ class Guard:
 
 
 ANTHROPIC_PATHS = "/v1/messages"  # Anthropic's Messages API: its own error shape
+SGLANG_PATHS = ("/v1/score",)  # SGLang's own endpoints: SGLang's error object
 
 
 def error_response(message: str, status: int = 400, path: str = "") -> JSONResponse:
     """Errors in OpenAI's shape on every endpoint (native ones too), but in Anthropic's under
-    `ANTHROPIC_PATHS` (`path`: the request's)."""
+    `ANTHROPIC_PATHS` and SGLang's under `SGLANG_PATHS` (`path`: the request's)."""
     if path.startswith(ANTHROPIC_PATHS):
         from radixlm.runtime.server.anthropic_protocol import error_body
 
         return JSONResponse(error_body(message, status), status_code=status)
+    if path in SGLANG_PATHS:  # SGLang's ErrorResponse: the object itself, not under "error"
+        kind = "BadRequestError" if status < 500 else "InternalServerError"
+        return JSONResponse({"object": "error", "message": message, "type": kind, "param": None, "code": status},
+                            status_code=status)
     kind = "invalid_request_error" if status < 500 else "server_error"
     if status == 404:
         kind = "not_found_error"

@@ -20,8 +20,8 @@ from radixlm.runtime.native import native_requests, native_result
 from radixlm.runtime.reasoning import ReasoningFormat, reasoning_format
 from radixlm.runtime.server.http_common import HTTPError, json_body, run_until_done
 from radixlm.runtime.server.openai_builders import (
-    RequestAborted, aggregate_usage, chat_chunk, chat_logprobs, chat_response, completion_chunk, completion_logprobs,
-    completion_response, matched_stop, new_request_id, openai_finish_reason, usage_chunk,
+    RequestAborted, VllmOptions, aggregate_usage, chat_chunk, chat_logprobs, chat_response, completion_chunk,
+    completion_logprobs, completion_response, matched_stop, new_request_id, openai_finish_reason, usage_chunk,
 )
 from radixlm.runtime.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from radixlm.runtime.server.openai_to_native import chat_messages, chat_to_generate, completion_to_generate
@@ -48,31 +48,33 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(request: Request) -> Response:
         req = parse_request(CompletionRequest, await json_body(request))
         body = completion_to_generate(req)
-        return await _run(request, state, body, req, chat=False, build=lambda results, rid: completion_response(
-            results, state.model_name, rid, _echo_prompts(req, results), req.logprobs, _decoder(results), n=req.n))
+        vllm = _vllm_options(req)
+        return await _run(request, state, body, req, chat=False, vllm=vllm, build=lambda results, rid: completion_response(
+            results, state.model_name, rid, _echo_prompts(req, results), req.logprobs, _decoder(results), n=req.n,
+            vllm=vllm))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = parse_request(ChatCompletionRequest, await json_body(request))
         parser = state.server_args.get("reasoning_parser")
         body = chat_body(req, reasoning_format(parser) if parser else None)
-        body["return_text_in_logprobs"] = bool(req.logprobs)
         tools = ToolReader.of(req)
         reasoning = ReasoningReader.of(req, parser)
-        return await _run(request, state, body, req, chat=True, tools=tools, reasoning=reasoning,
+        vllm = _vllm_options(req, _echo_message(body["messages"]) if req.echo else None)
+        return await _run(request, state, body, req, chat=True, tools=tools, reasoning=reasoning, vllm=vllm,
                           build=lambda results, rid: chat_response(
                               results, state.model_name, rid, bool(req.logprobs), req.top_logprobs or 0,
-                              _decoder(results), tools, reasoning))
+                              _decoder(results), tools, reasoning, vllm))
 
 
 async def _run(request: Request, state: ServerState, body: dict[str, Any], req: Any, chat: bool,
-               build: Callable[[list[dict[str, Any]], str], dict[str, Any]],
+               build: Callable[[list[dict[str, Any]], str], dict[str, Any]], vllm: VllmOptions,
                tools: ToolReader | None = None, reasoning: ReasoningReader | None = None) -> Response:
     """Run a converted request: stream chunks, or wait for every result and `build` the answer."""
     reqs, _ = native_requests({**body, "lora_path": state.lora_for(req.model)})
     rid = new_request_id()
     if req.stream:
-        return await sse_response(_stream(state, reqs, req, rid, chat, tools, reasoning))
+        return await sse_response(_stream(state, reqs, req, rid, chat, vllm, tools, reasoning))
     outs = await run_until_done(request, gather_outputs(state.client, reqs))
     results = [native_result(o) for o in outs]
     try:
@@ -129,13 +131,25 @@ def parse_request(model: type[BaseModel], body: dict[str, Any]) -> Any:
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
+    """The served model as vLLM lists it: `root` the weights served, no `parent`."""
     return {"id": state.model_name, "object": "model", "created": state.started, "owned_by": "radixlm",
+            "root": state.server_args.get("model_path") or state.model_name, "parent": None,
             "max_model_len": state.info.get("context_length")}
 
 
 def _adapter_card(state: ServerState, name: str) -> dict[str, Any]:
     """A LoRA adapter as vLLM lists one: its own id, the base model as parent."""
     return {**_model_card(state), "id": name, "root": state.loras[name], "parent": state.model_name}
+
+
+def _vllm_options(req: CompletionRequest | ChatCompletionRequest, echo: str | None = None) -> VllmOptions:
+    return VllmOptions(req.return_token_ids, req.prompt_logprobs, echo)
+
+
+def _echo_message(messages: list[dict[str, Any]]) -> str | None:
+    """Chat's `echo` (vLLM's): the last message's text when it is the assistant's, which the reply
+    continues (with continue_final_message) or follows."""
+    return messages[-1]["content"] or None if messages[-1]["role"] == "assistant" else None
 
 
 def _echo_prompts(req: CompletionRequest, results: list[dict[str, Any]]) -> list[str] | None:
@@ -175,7 +189,7 @@ def _decoder(results: list[dict[str, Any]]) -> Callable[[int], str]:
     return lambda token_id: texts.get(token_id, "")
 
 
-async def _stream(state: ServerState, reqs: list[GenerateRequest], req: Any, rid: str, chat: bool,
+async def _stream(state: ServerState, reqs: list[GenerateRequest], req: Any, rid: str, chat: bool, vllm: VllmOptions,
                   tools: ToolReader | None, reasoning: ReasoningReader | None) -> AsyncIterator[bytes]:
     created = int(time.time())
     model = state.model_name
@@ -192,30 +206,51 @@ async def _stream(state: ServerState, reqs: list[GenerateRequest], req: Any, rid
         matched = matched_stop(native_finish)
         if out.finished:
             finals[index] = result
-        if not chat:
-            echo = req.echo and index not in started  # a choice's first chunk begins with the prompt
-            started.add(index)
-            text = _echo_text(req, index // req.n, result) + result["text"] if echo else result["text"]
-            lp = None
-            if req.logprobs is not None:
-                lp = completion_logprobs(result["meta_info"], _decoder([result]), echo=echo)
-            yield sse(completion_chunk(rid, model, created, index, text, finish, lp, matched))
-            continue
-        lp = chat_logprobs(result["meta_info"], req.top_logprobs or 0, _decoder([result])) if req.logprobs else None
-        stream = choice_streams.setdefault(index, ChoiceStream(tools, reasoning))
-        deltas = stream.feed(result["text"], out.finished)
-        if finish is not None and stream.called:
-            finish = tools.finish_reason(finish)
-        if not deltas and (finish is not None or lp is not None):
-            deltas = [{}]  # still a chunk: it carries the finish reason or the logprobs
-        for i, delta in enumerate(deltas):
-            if index not in started:
-                delta = {"role": "assistant", **delta}
-                started.add(index)
-            last = i == len(deltas) - 1
-            yield sse(chat_chunk(rid, model, created, index, delta, finish if last else None,
-                                 lp if i == 0 else None, matched if last else None))
+        first = index not in started
+        started.add(index)
+        for chunk in _chunks(req, rid, model, created, index, result, first, chat, finish, matched,
+                             choice_streams, tools, reasoning, vllm):
+            if req.continuous_usage:  # (vLLM's and SGLang's: the choice's usage so far on every chunk)
+                chunk["usage"] = aggregate_usage([result], 1)
+            yield sse(chunk)
     if req.include_usage:
         ordered = [finals[i] for i in sorted(finals)]
         yield sse(usage_chunk(rid, model, created, aggregate_usage(ordered, req.n), chat=chat))
     yield b"data: [DONE]\n\n"
+
+
+def _chunks(req: Any, rid: str, model: str, created: int, index: int, result: dict[str, Any], first: bool,
+            chat: bool, finish: str | None, matched: int | str | None, choice_streams: dict[int, ChoiceStream],
+            tools: ToolReader | None, reasoning: ReasoningReader | None, vllm: VllmOptions) -> list[dict[str, Any]]:
+    """The chunks of one runtime output of choice `index` (`first`: the choice's first output)."""
+    ids = vllm.output_fields(result)  # (vLLM's return_token_ids: the new ids, the prompt's on the first chunk)
+    prompt = {"prompt_token_ids": result.get("prompt_token_ids")} if first and vllm.token_ids else {}
+    if not chat:
+        echo = req.echo and first  # a choice's first chunk begins with the prompt
+        text = _echo_text(req, index // req.n, result) + result["text"] if echo else result["text"]
+        lp = None
+        if req.logprobs is not None:
+            lp = completion_logprobs(result["meta_info"], _decoder([result]), echo=echo, top=req.logprobs)
+        chunk = completion_chunk(rid, model, created, index, text, finish, lp, matched)
+        chunk["choices"][0].update(prompt | ids)
+        return [chunk]
+    lp = chat_logprobs(result["meta_info"], req.top_logprobs or 0, _decoder([result])) if req.logprobs else None
+    stream = choice_streams.setdefault(index, ChoiceStream(tools, reasoning))
+    deltas = stream.feed(result["text"], finish is not None)
+    if finish is not None and stream.called:
+        finish = tools.finish_reason(finish)
+    if first and vllm.echo:  # vLLM's echo: the last (assistant) message, before the reply
+        deltas = [{"content": vllm.echo}, *deltas]
+    if not deltas and (finish is not None or lp is not None or ids or first):
+        deltas = [{}]  # still a chunk: it carries the role, the finish reason, the logprobs or the ids
+    if first:  # the choice's first delta says its role
+        deltas[0] = {"role": "assistant", **deltas[0]}
+    chunks = []
+    for i, delta in enumerate(deltas):
+        last = i == len(deltas) - 1
+        chunk = chat_chunk(rid, model, created, index, delta, finish if last else None, lp if i == 0 else None,
+                           matched if last else None)
+        if i == 0:
+            chunk["choices"][0].update(ids)
+        chunks.append(chunk | prompt if i == 0 else chunk)
+    return chunks

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from radixlm.runtime.server.output_readers import ReasoningReader, ToolReader
@@ -89,12 +90,14 @@ def completion_response(
     tokenizer_decode: Decode,
     *,
     n: int,
+    vllm: VllmOptions | None = None,
 ) -> dict[str, Any]:
     """A whole ``text_completion`` object from finished native results.
 
     ``echo_prompts`` holds the prompt text per prompt when the client set
     ``echo``; echoed text (and, with ``logprobs``, its token logprobs, which
-    need ``logprob_start_len=0``) precedes each choice's output.
+    need ``logprob_start_len=0``) precedes each choice's output. ``vllm``:
+    each choice's ids and prompt logprobs, as vLLM puts them in it.
     """
     choices = []
     for index, result in enumerate(results):
@@ -102,13 +105,14 @@ def completion_response(
         meta = result["meta_info"]
         lp = None
         if logprobs is not None:
-            lp = completion_logprobs(meta, tokenizer_decode, echo=echo_prompts is not None)
+            lp = completion_logprobs(meta, tokenizer_decode, echo=echo_prompts is not None, top=logprobs)
         choices.append({
             "index": index,
             "text": prefix + result["text"],
             "logprobs": lp,
             "finish_reason": openai_finish_reason(meta["finish_reason"]),
             "matched_stop": matched_stop(meta["finish_reason"]),
+            **(vllm.prompt_fields(result) | vllm.output_fields(result) if vllm else {}),
         })
     return {
         "id": f"cmpl-{request_id}",
@@ -129,10 +133,12 @@ def chat_response(
     tokenizer_decode: Decode,
     tools: ToolReader | None = None,
     reasoning: ReasoningReader | None = None,
+    vllm: VllmOptions | None = None,
 ) -> dict[str, Any]:
     """A whole ``chat.completion`` object; ``results`` are the choices of one prompt.
     With ``reasoning``, each choice's reasoning goes to ``reasoning_content`` (null when it has
-    none); with ``tools``, the rest (the content) is read for tool calls."""
+    none); with ``tools``, the rest (the content) is read for tool calls. ``vllm``: the echoed
+    message before each content, the ids and prompt logprobs (the prompt's beside the choices)."""
     choices = []
     for index, result in enumerate(results):
         meta = result["meta_info"]
@@ -147,12 +153,15 @@ def chat_response(
             if calls:
                 message["tool_calls"] = [c.openai() for c in calls]
                 finish = tools.finish_reason(finish)
+        if vllm is not None and vllm.echo:
+            message["content"] = vllm.echo + (message["content"] or "")
         choices.append({
             "index": index,
             "message": message,
             "logprobs": chat_logprobs(meta, top_logprobs, tokenizer_decode) if logprobs else None,
             "finish_reason": finish,
             "matched_stop": matched_stop(meta["finish_reason"]),
+            **(vllm.output_fields(result) if vllm else {}),
         })
     return {
         "id": f"chatcmpl-{request_id}",
@@ -161,11 +170,54 @@ def chat_response(
         "model": model,
         "choices": choices,
         "usage": aggregate_usage(results, len(results)),
+        **(vllm.prompt_fields(results[0]) if vllm and results else {}),
     }
 
 
+@dataclass
+class VllmOptions:
+    """What vLLM's request options add to an answer: `return_token_ids` (each choice's output ids,
+    and the prompt's), `prompt_logprobs` (that many alternatives per prompt token), chat's `echo`
+    (the last message's text, when it is the assistant's, before the reply's content)."""
+
+    token_ids: bool = False
+    prompt_logprobs: int | None = None
+    echo: str | None = None
+
+    def output_fields(self, result: dict[str, Any]) -> dict[str, Any]:
+        return {"token_ids": result["output_ids"]} if self.token_ids else {}
+
+    def prompt_fields(self, result: dict[str, Any]) -> dict[str, Any]:
+        """The prompt's ids and logprobs (`result`: a choice of the prompt)."""
+        out: dict[str, Any] = {}
+        if self.token_ids:
+            out["prompt_token_ids"] = result.get("prompt_token_ids")
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = prompt_logprobs(result["meta_info"], self.prompt_logprobs)
+        return out
+
+
+def prompt_logprobs(meta: dict[str, Any], top: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token (from the first, which has none: null), the
+    token itself and the ``top`` most likely tokens there, by id, each with its logprob, its
+    rank (from 1) and its text (``decoded_token``). The token's own rank is its place among the
+    alternatives the runtime returned, null when it is not among them."""
+    entries = meta.get("input_token_logprobs") or []
+    tops = _padded(meta.get("input_top_logprobs"), len(entries))
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for (logprob, token_id, text), alternatives in zip(entries, tops):
+        if logprob is None:
+            out.append(None)
+            continue
+        ranked = [(lp, tid, tx, rank) for rank, (lp, tid, tx) in enumerate(alternatives or [], 1)]
+        own = next((r for r in ranked if r[1] == token_id), (logprob, token_id, text, None))
+        out.append({str(tid): {"logprob": _finite(lp), "rank": rank, "decoded_token": tx}
+                    for lp, tid, tx, rank in [own, *ranked[:top]]})
+    return out
+
+
 def completion_logprobs(
-    meta: dict[str, Any], decode: Decode, *, echo: bool = False, text_offset: int = 0
+    meta: dict[str, Any], decode: Decode, *, echo: bool = False, text_offset: int = 0, top: int | None = None
 ) -> dict[str, Any]:
     """The completions ``logprobs`` object for one (possibly partial) result.
 
@@ -175,7 +227,8 @@ def completion_logprobs(
     differently than in context. With ``echo`` the first prompt token has no
     logprob and no alternatives: ``null``, as OpenAI sends it. Each other
     token's alternatives include the token itself, as OpenAI's and the peers'
-    do: ``logprobs: 0`` gives one entry, ``logprobs: k`` up to k + 1.
+    do: ``logprobs: 0`` gives one entry, ``logprobs: k`` up to k + 1 (``top``:
+    k, where the runtime returned more for prompt_logprobs).
     """
     pairs = list(meta.get("output_token_logprobs") or [])
     tops = _padded(meta.get("output_top_logprobs"), len(pairs))
@@ -184,7 +237,8 @@ def completion_logprobs(
         pairs = prompt_pairs + pairs
         tops = _padded(meta.get("input_top_logprobs"), len(prompt_pairs)) + tops
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    for (logprob, token_id, *_), top in zip(pairs, tops):
+    for (logprob, token_id, *_), alternatives in zip(pairs, tops):
+        alternatives = alternatives or []
         token = decode(token_id)
         tokens.append(token)
         offsets.append(text_offset)
@@ -193,7 +247,7 @@ def completion_logprobs(
         if logprob is None:
             top_logprobs.append(None)
         else:  # up to logprobs + 1 entries: the token itself is always among them (logprobs=0 too)
-            top_logprobs.append(_top_dict(top, decode))
+            top_logprobs.append(_top_dict(alternatives[:top], decode))
             top_logprobs[-1].setdefault(token, _finite(logprob))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 

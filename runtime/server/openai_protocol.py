@@ -27,9 +27,44 @@ TokenId = Annotated[StrictInt, Field(ge=0)]
 ACCEPTED_NO_EFFECT = frozenset({"store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"})
 
 
+MAX_PROMPT_LOGPROBS = 20  # vLLM's default --max-logprobs
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the usage of the whole request
+    continuous_usage_stats: bool = False  # every chunk with its choice's usage so far (vLLM's, SGLang's)
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: one constraint on the output (``json``: a schema, as text or an
+    object; ``regex``; ``choice``: one of these strings; ``grammar``: EBNF; ``json_object``: any
+    object; ``structural_tag``), and options; those for vLLM's own backends are refused when set."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_: str | dict[str, Any] | None = Field(None, alias="json")  # (`json` would shadow BaseModel's)
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_fallback: bool = False  # no effect: a constraint here never falls back to another backend
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> StructuredOutputs:
+        given = [k for k in ("json", "regex", "choice", "grammar", "structural_tag")
+                 if getattr(self, "json_" if k == "json" else k) is not None] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar, json_object or structural_tag"
+                             + (f", not {' and '.join(given)}" if given else ""))
+        options = [k for k in ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+                   if getattr(self, k)]
+        if options:
+            raise ValueError(f"{', '.join(options)} is not supported (an option of vLLM's grammar backends); leave it out")
+        return self
 
 
 class SamplingExtras(BaseModel):
@@ -75,6 +110,12 @@ class _OpenAIRequest(SamplingExtras):
     skip_special_tokens: bool | None = None
     stop_token_ids: list[TokenId] | None = None
     stop_regex: str | list[str] | None = None
+    # vLLM's: the token ids beside the text; the prompt's logprobs with this many alternatives;
+    # only the prompt's last tokens (-1: as many as the context holds); a constraint
+    return_token_ids: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_PROMPT_LOGPROBS)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -83,6 +124,20 @@ class _OpenAIRequest(SamplingExtras):
             return data
         return {k: v for k, v in data.items()
                 if (v is not None or k in cls._null_is_meaningful) and k not in ACCEPTED_NO_EFFECT}
+
+    @model_validator(mode="after")
+    def _stream_only_options(self) -> _OpenAIRequest:
+        # (as OpenAI, vLLM and SGLang refuse them)
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        if self.stream and self.prompt_logprobs:
+            raise ValueError("prompt_logprobs are not available when stream is true")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be at least 1 (or -1: as many as the context holds)")
+        formats = [k for k in ("regex", "json_schema", "structured_outputs") if getattr(self, k) is not None]
+        if len(formats) > 1:
+            raise ValueError(f"{' and '.join(formats)} both constrain the output; give one")
+        return self
 
     @field_validator("logit_bias")
     @classmethod
@@ -100,6 +155,11 @@ class _OpenAIRequest(SamplingExtras):
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk of a stream carries its choice's usage so far."""
+        return self.stream and self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_OpenAIRequest):
@@ -247,6 +307,14 @@ class ChatCompletionRequest(_OpenAIRequest):
     stream_reasoning: bool = True
     # SGLang's assistant prefill: a last message of the assistant's is continued, not closed
     continue_final_message: bool = False
+    # vLLM's: a last message of the assistant's is put before the reply's content
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _one_output_format(self) -> ChatCompletionRequest:
+        if self.structured_outputs is not None and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("response_format and structured_outputs both constrain the output; give one")
+        return self
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
@@ -266,7 +334,7 @@ class ChatCompletionRequest(_OpenAIRequest):
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools {names}")
         strict = self.tool_mode == "auto" and any(t.function.strict for t in self.tools or ())
         if self.tool_mode in ("required", "named") or strict:
-            formats = [k for k in ("regex", "json_schema") if getattr(self, k) is not None]
+            formats = [k for k in ("regex", "json_schema", "structured_outputs") if getattr(self, k) is not None]
             if self.response_format is not None and self.response_format.type != "text":
                 formats.append("response_format")
             if formats:

@@ -12,7 +12,7 @@ from typing import Any
 from radixlm.runtime import tool_calls
 from radixlm.runtime.reasoning import ReasoningFormat
 from radixlm.runtime.server.openai_protocol import (
-    ChatCompletionRequest, CompletionRequest, ResponseFormat, TextPart, _OpenAIRequest,
+    ChatCompletionRequest, CompletionRequest, ResponseFormat, StructuredOutputs, TextPart, _OpenAIRequest,
 )
 
 
@@ -25,15 +25,29 @@ def completion_to_generate(req: CompletionRequest) -> dict[str, Any]:
     as its own default.
     """
     key = "text" if isinstance(req.prompt, str) or isinstance(req.prompt[0], str) else "input_ids"
-    body: dict[str, Any] = {key: req.prompt, "sampling_params": _sampling_params(req, req.max_tokens)}
-    body["stream"] = req.stream
+    body: dict[str, Any] = {key: req.prompt, "sampling_params": _sampling_params(req, req.max_tokens),
+                            "stream": req.stream, **_vllm_options(req)}
     # token ids are echoed as the runtime decodes them: the texts of the prompt's logprob entries
-    if req.logprobs is not None or (req.echo and key == "input_ids"):
+    if req.logprobs is not None or (req.echo and key == "input_ids") or body.get("logprob_start_len") == 0:
         body["return_logprob"] = True
-        body["top_logprobs_num"] = req.logprobs or 0
+        body["top_logprobs_num"] = max(req.logprobs or 0, req.prompt_logprobs or 0)
         body["return_text_in_logprobs"] = True
         if req.echo:
             body["logprob_start_len"] = 0  # echoed prompt tokens get logprobs too
+    return body
+
+
+def _vllm_options(req: _OpenAIRequest) -> dict[str, Any]:
+    """The native fields of vLLM's request options: the prompt's ids returned, its logprobs from
+    the first token (prompt_logprobs; none computed for a stream, which cannot carry them), its
+    truncation."""
+    body: dict[str, Any] = {}
+    if req.return_token_ids:
+        body["return_prompt_token_ids"] = True
+    if req.prompt_logprobs is not None and not req.stream:
+        body.update(return_logprob=True, logprob_start_len=0, return_text_in_logprobs=True)
+    if req.truncate_prompt_tokens is not None:
+        body["truncate_prompt_tokens"] = req.truncate_prompt_tokens
     return body
 
 
@@ -55,7 +69,7 @@ def chat_to_generate(req: ChatCompletionRequest, prompt_text: str,
         params["structural_tag"] = tag
     if schema is not None:
         params["json_schema"] = schema
-    body: dict[str, Any] = {"text": prompt_text, "sampling_params": params, "stream": req.stream}
+    body: dict[str, Any] = {"text": prompt_text, "sampling_params": params, "stream": req.stream, **_vllm_options(req)}
     if tools:
         body["tools"] = tools  # the chat template shows them to the model
     template_kwargs = dict(req.chat_template_kwargs or {})
@@ -67,9 +81,10 @@ def chat_to_generate(req: ChatCompletionRequest, prompt_text: str,
         body["require_reasoning"] = True
     if reasoning is not None and reasoning.special_tokens and req.skip_special_tokens is None:
         params["skip_special_tokens"] = False  # gpt-oss's channels are special tokens: kept to be read
-    if req.logprobs:
+    if req.logprobs or body.get("return_logprob"):
         body["return_logprob"] = True
-        body["top_logprobs_num"] = req.top_logprobs or 0
+        body["top_logprobs_num"] = max(req.top_logprobs or 0, req.prompt_logprobs or 0)
+        body["return_text_in_logprobs"] = True  # (the texts OpenAI's entries and vLLM's decoded_token hold)
     return body
 
 
@@ -156,7 +171,33 @@ def _sampling_params(req: _OpenAIRequest, max_new_tokens: int | None) -> dict[st
         params["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
     if req.logit_bias:
         params["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+    if req.structured_outputs is not None:
+        params.update(_structured_outputs(req.structured_outputs))
     return params
+
+
+def _structured_outputs(so: StructuredOutputs) -> dict[str, Any]:
+    """vLLM's structured_outputs as the native constraint of the same meaning."""
+    if so.json_ is not None:
+        return {"json_schema": so.json_ if isinstance(so.json_, str) else json.dumps(so.json_)}
+    if so.json_object:
+        return {"json_schema": json.dumps({"type": "object"})}
+    if so.choice is not None:  # one of the strings, literally
+        return {"regex": "(" + "|".join(_literal(c) for c in so.choice) + ")"}
+    if so.grammar is not None:
+        return {"ebnf": so.grammar}
+    if so.structural_tag is not None:
+        return {"structural_tag": so.structural_tag}
+    return {"regex": so.regex}
+
+
+def _literal(text: str) -> str:
+    """`text` as a regex that matches it alone (only the metacharacters escaped: every grammar
+    backend reads these, where re.escape's escaped spaces are not standard)."""
+    return "".join("\\" + c if c in _REGEX_SPECIALS else c for c in text)
+
+
+_REGEX_SPECIALS = frozenset("\\.^$*+?{}[]|()")
 
 
 def _response_schema(fmt: ResponseFormat | None) -> str | None:

@@ -36,12 +36,15 @@ class ToolReader:
         return cls(mode, {t.function.name for t in req.tools or ()}, req.parallel_tool_calls, named)
 
     def read(self, text: str) -> tuple[str | None, list[tool_calls.ToolCall]]:
-        """(content, calls) of a whole choice."""
+        """(content, calls) of a whole choice. The content never begins with whitespace, nor ends
+        with it beside calls: a stream sends the same (`ToolStream`), though it cannot know, as
+        text comes, whether a call will follow."""
         if self.mode == "named":  # the text is the arguments (cut short if the length limit struck)
             return None, [tool_calls.ToolCall(self.function, text)]
         # a `required` output is a JSON array of calls, which auto's reading takes as bare calls
         # (cut short by the length limit, it stays content)
-        return tool_calls.parse_auto(text, self.names, self.parallel)
+        content, calls = tool_calls.parse_auto(text, self.names, self.parallel)
+        return (content or "").lstrip() or None, calls
 
     def finish_reason(self, finish: str) -> str:
         """OpenAI says "tool_calls" when the model chose to call, and "stop" when the call was forced by name."""
@@ -60,11 +63,12 @@ class ToolStream:
         self.auto = tool_calls.AutoStream(reader.names, reader.parallel) if reader.mode != "named" else None
         self.named_call: tool_calls.ToolCall | None = None
         self.called = False
+        self.spaces = ""  # whitespace at the end of the content so far: sent once text follows it
+        self.begun = False  # whether any content went out (whitespace before it never does)
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         if self.auto is not None:
-            content = self.auto.feed(text)
-            return [{"content": content}] if content else []
+            return self._content(self.auto.feed(text))
         if not text:  # nothing of the arguments yet (the reasoning may still be streaming)
             return []
         if self.named_call is None:  # the first piece of the arguments opens the call, named
@@ -76,14 +80,25 @@ class ToolStream:
         self.called = True
         return [{"tool_calls": [self.named_call.openai(0)]}]
 
+    def _content(self, text: str) -> list[dict[str, Any]]:
+        """What of the content can go out: as `ToolReader.read` trims a whole one, its leading
+        whitespace never, and whitespace at its end only once text follows (a call may)."""
+        text = self.spaces + text if self.begun else text.lstrip()
+        body = text.rstrip()
+        self.spaces = text[len(body):]
+        self.begun = self.begun or bool(body)
+        return [{"content": body}] if body else []
+
     def finish(self) -> list[dict[str, Any]]:
         if self.auto is None:  # a forced call is answered even when no argument was written
             return self._open_named("") if self.named_call is None else []
         content, calls = self.auto.finish()
-        deltas = [{"content": content}] if content else []
+        deltas = self._content(content)
         if calls:
             self.called = True
             deltas.append({"tool_calls": [c.openai(i) for i, c in enumerate(calls)]})
+        elif self.spaces:  # no call came: the content's last whitespace is its own
+            deltas.append({"content": self.spaces})
         return deltas
 
 

@@ -71,7 +71,7 @@ def add_score_routes(app: FastAPI, state: ServerState) -> None:
         req = parse_request(ScoreRequest, await json_body(request))
         if isinstance(req.query, str) != isinstance(req.items[0], str):
             raise HTTPError("query and items must both be texts or both be token ids")
-        prompts = [await _ids(state, a) + await _ids(state, b)
+        prompts = [await _prompt(state, a, b)
                    for a, b in ((i, req.query) if req.item_first else (req.query, i) for i in req.items)]
         logprobs = await run_until_done(request, _label_logprobs(state, prompts, req.label_token_ids))
         scores = [_softmax(lps) if req.apply_softmax else [math.exp(x) for x in lps] for lps in logprobs]
@@ -113,10 +113,16 @@ async def _label_logprobs(state: ServerState, prompts: list[Tokens], labels: lis
     return [flat[i : i + len(labels)] for i in range(0, len(flat), len(labels))]
 
 
-async def _ids(state: ServerState, text_or_ids: str | Tokens) -> Tokens:
-    if not isinstance(text_or_ids, str):
-        return list(text_or_ids)
-    return (await _tokenize(state, {"text": text_or_ids, "add_special_tokens": False}))["input_ids"]
+async def _prompt(state: ServerState, first: str | Tokens, second: str | Tokens) -> Tokens:
+    """The ids of one pair: token ids as they are; texts joined and tokenized as a text prompt is
+    (with its tokenizer's special tokens, as SGLang tokenizes the joined text)."""
+    if not isinstance(first, str):
+        return list(first) + list(second)
+    return (await _tokenize(state, {"text": first + second, "add_special_tokens": True}))["input_ids"]
+
+
+async def _ids(state: ServerState, text: str) -> Tokens:
+    return (await _tokenize(state, {"text": text, "add_special_tokens": False}))["input_ids"]
 
 
 async def _chat_ids(state: ServerState, messages: list[dict[str, str]]) -> Tokens:

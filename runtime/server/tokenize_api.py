@@ -1,11 +1,13 @@
 """``POST /tokenize`` and ``POST /detokenize``, in the shapes vLLM's and llama.cpp's servers use,
 answered by the tokenizer process (no model step).
 
-* ``/tokenize``: vLLM's ``{"prompt", "add_special_tokens" (default true), "return_token_strs"}``
-  or ``{"messages", "tools", "chat_template_kwargs"}`` (rendered as a chat request's prompt is,
-  opened for the reply) -> ``{"count", "max_model_len", "tokens", "token_strs"}``; llama.cpp's
-  ``{"content", "add_special" (default false), "with_pieces"}`` -> ``{"tokens"}`` (with pieces,
-  ``[{"id", "piece"}]``).
+* ``/tokenize``: vLLM's ``{"prompt", "add_special_tokens" (default true: the ids a text prompt is
+  fed as), "return_token_strs"}`` or ``{"messages", "tools", "chat_template_kwargs",
+  "add_generation_prompt" (default true), "continue_final_message"}`` (rendered as a chat
+  request's prompt is) -> ``{"count", "max_model_len", "tokens", "token_strs"}`` (the vocabulary's
+  strings); llama.cpp's ``{"content", "add_special" (default false), "with_pieces"}`` ->
+  ``{"tokens"}`` (with pieces, ``[{"id", "piece"}]``, each piece the token's text, or its bytes
+  where they are not UTF-8 alone, as llama.cpp's).
 * ``/detokenize``: ``{"tokens": [ids]}`` -> the text, under vLLM's key (``prompt``) and llama.cpp's
   (``content``) both.
 """
@@ -26,6 +28,7 @@ TOKENIZE_BODY = {"type": "object", "properties": {
     "prompt": {"type": "string"}, "add_special_tokens": {"type": "boolean"}, "return_token_strs": {"type": "boolean"},
     "messages": {"type": "array", "items": {"type": "object"}}, "tools": {"type": "array", "items": {"type": "object"}},
     "chat_template_kwargs": {"type": "object"}, "add_generation_prompt": {"type": "boolean"},
+    "continue_final_message": {"type": "boolean"},
     "content": {"type": "string"}, "add_special": {"type": "boolean"}, "with_pieces": {"type": "boolean"},
     "model": {"type": "string"}}}
 DETOKENIZE_BODY = {"type": "object", "properties": {"tokens": {"type": "array", "items": {"type": "integer"}},
@@ -59,12 +62,18 @@ def _tokenize_args(body: dict[str, Any], llama_cpp: bool) -> dict[str, Any]:
         if not isinstance(body["content"], str):
             raise HTTPError("content must be a string")
         return {"text": body["content"], "add_special_tokens": _flag(body, "add_special", False),
-                "pieces": _flag(body, "with_pieces", False)}
-    pieces = _flag(body, "return_token_strs", False)
+                "pieces": "text" if _flag(body, "with_pieces", False) else None}
+    pieces = "tokens" if _flag(body, "return_token_strs", False) else None
     if body.get("messages") is not None:
-        if body.get("add_generation_prompt", True) is not True:
-            raise HTTPError("add_generation_prompt false is not supported: the prompt is rendered as a chat "
-                            "request's, opened for the reply")
+        prefill = _flag(body, "continue_final_message", False)
+        if prefill and body.get("add_generation_prompt") is True:  # (as vLLM refuses it)
+            raise HTTPError("continue_final_message and add_generation_prompt cannot both be true")
+        template_kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(template_kwargs, dict):
+            raise HTTPError("chat_template_kwargs must be an object")
+        template_kwargs = dict(template_kwargs)
+        if prefill:  # the last (assistant) message left open, as a chat request's is
+            template_kwargs["continue_final_message"] = True
         # the messages as a chat request reads them (text parts, tool calls, developer -> system)
         chat = parse_request(ChatCompletionRequest, {"model": "-", "messages": body["messages"],
                                                      "tools": body.get("tools")})
@@ -73,8 +82,8 @@ def _tokenize_args(body: dict[str, Any], llama_cpp: bool) -> dict[str, Any]:
         except ValueError as e:
             raise HTTPError(str(e)) from None
         tools = [t.model_dump(exclude_none=True) for t in chat.tools or ()] or None
-        return {"messages": messages, "tools": tools, "chat_template_kwargs": body.get("chat_template_kwargs"),
-                "pieces": pieces}
+        return {"messages": messages, "tools": tools, "chat_template_kwargs": template_kwargs or None,
+                "add_generation_prompt": _flag(body, "add_generation_prompt", not prefill), "pieces": pieces}
     if not isinstance(body.get("prompt"), str):
         raise HTTPError("give a string prompt (or messages, or llama.cpp's content) to tokenize")
     return {"text": body["prompt"], "add_special_tokens": _flag(body, "add_special_tokens", True), "pieces": pieces}

@@ -50,7 +50,9 @@ def scoring_requests(prep: RequestPreparer, req: GenerateRequest, client: bytes 
     prompt_text = tok.decode(prompt_ids) if req.text is None else req.text
     scored = []  # (ids, logprob start) per scoring request
     for choice in choices:
-        full = tok.encode(prompt_text + choice, add_special_tokens=False)
+        # encoded as the prompt was: a text with its tokenizer's special tokens, ids and chats as they are
+        full = prep.encode(prompt_text + choice) if req.text is not None else tok.encode(
+            prompt_text + choice, add_special_tokens=False)
         scored.append((full, choice_boundary(prompt_ids, full)))
     group = ChoiceGroup(req.rid, client, choices, method, [b for _, b in scored], prompt_tokens=len(prompt_ids))
     if BY_NAME[method].requires_unconditional_logprobs:

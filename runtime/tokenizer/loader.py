@@ -172,12 +172,14 @@ def _directory_cache_dir(path: str) -> str:
 
 
 def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
-                tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+                tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None,
+                add_generation_prompt: bool = True) -> str:
     """The prompt text of a conversation (OpenAI-shaped messages, tool calls and results included),
-    rendered with the tokenizer's chat template and opened for the assistant's reply;
-    `template_kwargs` are extra variables the template reads (Qwen3's `enable_thinking`), and
-    SGLang's `continue_final_message`: a last message of the assistant's is left open for the reply
-    to continue (no generation prompt; ignored after any other role, as SGLang ignores it).
+    rendered with the tokenizer's chat template and opened for the assistant's reply (unless
+    `add_generation_prompt` is false: /tokenize's, as vLLM's); `template_kwargs` are extra
+    variables the template reads (Qwen3's `enable_thinking`), and SGLang's
+    `continue_final_message`: a last message of the assistant's is left open for the reply to
+    continue (no generation prompt; ignored after any other role, as SGLang ignores it).
     Raises ValueError when the messages do not fit the template."""
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
@@ -196,7 +198,8 @@ def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any
     try:
         messages, tools = tool_calls.for_template(messages, tools, template)
         # transformers renders templates in a jinja2 sandbox
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=not prefill,
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt and not prefill,
                                              continue_final_message=prefill, **template_kwargs)
     except Exception as e:  # noqa: BLE001 - a template error is the request's fault
         raise ValueError(f"cannot apply the chat template: {e}") from e

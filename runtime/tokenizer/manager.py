@@ -11,10 +11,11 @@ scored by `choices.py`; this process only sends them and answers when the last r
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -22,6 +23,7 @@ from radixlm.runtime import ipc
 from radixlm.runtime.args import ServerArgs
 from radixlm.runtime.constrained.choices import ChoiceGroup
 from radixlm.runtime.constrained.jump_forward import RETOKENIZE_TOKENS
+from radixlm.runtime.constrained.vocabulary import detect_style, token_decoder
 from radixlm.runtime.messages import (
     AbortRequest,
     BatchTokenOutput,
@@ -138,7 +140,7 @@ class TokenizerManager:
             detok = IncrementalDetokenizer(self.tokenizer, tr.input_ids, params.skip_special_tokens,
                                            params.spaces_between_special_tokens, params.stop, replaceable,
                                            keep_stop=params.no_stop_trim)
-        out = RequestOutput(tr, self.tokenizer, req.return_text_in_logprobs)
+        out = RequestOutput(tr, self.tokenizer, req.return_text_in_logprobs, req.return_prompt_token_ids)
         self.in_flight[req.rid] = _InFlight(client, out, detok, req.stream, stream_interval=params.stream_interval)
         self.to_scheduler.send(ipc.encode(tr))
 
@@ -187,9 +189,11 @@ class TokenizerManager:
 
     def _tokens(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         """/tokenize, /detokenize and the Messages API's count_tokens, answered here (the tokenizer
-        is this process's): `text` (with `add_special_tokens`) or chat `messages` (with `tools`
-        and `chat_template_kwargs`, rendered as a chat request's prompt is) -> `input_ids`; `ids`
-        -> `text`; with `pieces`, each token's own string too. A bad input: `error`, `status`."""
+        is this process's): `text` (with `add_special_tokens`: the tokenizer's own, as a text prompt
+        is encoded) or chat `messages` (with `tools`, `chat_template_kwargs` and
+        `add_generation_prompt`, rendered as a chat request's prompt is) -> `input_ids`; `ids` ->
+        `text`; with `pieces`, each token's string ("tokens", vLLM's) or text ("text", llama.cpp's).
+        A bad input: `error`, `status`."""
         if self.tokenizer is None:
             return {"error": "this server has no tokenizer (--skip-tokenizer-init)", "status": 400}
         try:
@@ -201,21 +205,39 @@ class TokenizerManager:
                     raise BadRequest(f"tokens must lie in [0, {self.vocab_size})")
                 out: dict[str, Any] = {"text": self.tokenizer.decode(ids, skip_special_tokens=False)}
             else:
-                if args.get("messages") is not None:
-                    text = self.prep.chat_prompt(GenerateRequest("tokenize", messages=args["messages"],
-                                                                 tools=args.get("tools"),
-                                                                 chat_template_kwargs=args.get("chat_template_kwargs")))
-                    ids = self.tokenizer.encode(text, add_special_tokens=False)  # (the template writes them)
-                elif isinstance(args.get("text"), str):
-                    ids = self.tokenizer.encode(args["text"], add_special_tokens=bool(args.get("add_special_tokens")))
-                else:
-                    raise BadRequest("give a prompt (a string) or messages to tokenize")
-                out = {"input_ids": list(ids)}
-            if args.get("pieces"):
-                out["pieces"] = self.tokenizer.convert_ids_to_tokens(out.get("input_ids", args.get("ids")))
+                out = {"input_ids": self._tokenize(args)}
+            pieces = args.get("pieces")
+            if pieces:
+                tokens = self.tokenizer.convert_ids_to_tokens(out.get("input_ids", args.get("ids")))
+                out["pieces"] = tokens if pieces == "tokens" else [self._piece(t) for t in tokens]
             return out
         except BadRequest as e:
             return {"error": str(e), "status": 400}
+
+    def _tokenize(self, args: dict[str, Any]) -> list[int]:
+        if args.get("messages") is not None:
+            req = GenerateRequest("tokenize", messages=args["messages"], tools=args.get("tools"),
+                                  chat_template_kwargs=args.get("chat_template_kwargs"))
+            text = self.prep.chat_prompt(req, args.get("add_generation_prompt", True))
+            return self.tokenizer.encode(text, add_special_tokens=False)  # (the template writes them)
+        if not isinstance(args.get("text"), str):
+            raise BadRequest("give a prompt (a string) or messages to tokenize")
+        if args.get("add_special_tokens"):
+            return self.prep.encode(args["text"])  # as a text prompt is fed
+        return self.tokenizer.encode(args["text"], add_special_tokens=False)
+
+    @functools.cached_property
+    def _token_bytes(self) -> Callable[[str], bytes]:
+        return token_decoder(detect_style(self.tokenizer, self.tokenizer.get_vocab()))
+
+    def _piece(self, token: str) -> str | list[int]:
+        """llama.cpp's piece of a token: its text (" world", not the vocabulary's "Ġworld"), or its
+        bytes where they are not UTF-8 on their own."""
+        raw = self._token_bytes(token)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return list(raw)
 
     def _reply(self, client: bytes, msg: Any) -> None:
         self.clients.send_multipart([client, ipc.encode(msg)])
@@ -276,7 +298,7 @@ class TokenizerManager:
     def _client_output(self, st: _InFlight, reason: dict | None, finished: bool) -> ClientOutput:
         """The next output to the client: all of it, or (a stream) what is new since the last chunk;
         the text from the incremental detokenizer, the rest from the request's RequestOutput."""
-        meta = st.gathered.meta(reason)
+        meta = st.gathered.meta(reason, first=not (st.sent_tokens or st.sent_text))
         if finished:
             now = time.perf_counter()
             meta["e2e_latency"] = now - st.arrival

@@ -21,10 +21,13 @@ from radixlm.runtime.tokenizer.detokenizer import IncrementalDetokenizer
 
 
 class RequestOutput:
-    def __init__(self, tr: TokenizedRequest, tokenizer: Any = None, text_in_logprobs: bool = False) -> None:
-        """`text_in_logprobs`: logprob entries carry their token's text (needs `tokenizer`)."""
+    def __init__(self, tr: TokenizedRequest, tokenizer: Any = None, text_in_logprobs: bool = False,
+                 with_prompt_ids: bool = False) -> None:
+        """`text_in_logprobs`: logprob entries carry their token's text (needs `tokenizer`);
+        `with_prompt_ids`: meta_info carries the prompt's ids (`prompt_token_ids`)."""
         self.rid = tr.rid
         self.prompt_ids = tr.input_ids
+        self.with_prompt_ids = with_prompt_ids
         self.params = tr.sampling_params
         self.return_logprob = tr.return_logprob
         self.logprob_start_len = tr.logprob_start_len
@@ -58,10 +61,13 @@ class RequestOutput:
         if out.embedding is not None:
             self.embedding = out.embedding
 
-    def meta(self, reason: dict[str, Any] | None = None) -> dict[str, Any]:
-        """meta_info's counts and finish reason (`reason`: instead of the scheduler's)."""
+    def meta(self, reason: dict[str, Any] | None = None, first: bool = True) -> dict[str, Any]:
+        """meta_info's counts and finish reason (`reason`: instead of the scheduler's), and the
+        prompt's ids when asked for (in a stream, on its `first` output only)."""
         meta = {"id": self.rid, "prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.token_ids),
                 "cached_tokens": self.cached_tokens, "finish_reason": reason or self.finish_reason}
+        if self.with_prompt_ids and first:
+            meta["prompt_token_ids"] = list(self.prompt_ids)
         if self.embedding is not None:
             meta["embedding"] = self.embedding
         verify_ct, proposed, accepted = self.speculation
@@ -100,6 +106,9 @@ class RequestOutput:
         return detok.add(self.token_ids, flush=True)
 
     def result(self) -> dict[str, Any]:
-        """The finished request in native_result's shape."""
-        return {"text": self.text(), "output_ids": list(self.token_ids),
-                "meta_info": self.meta() | self.logprob_meta()}
+        """The finished request in native_result's shape (the prompt's ids, when asked for, beside the output's)."""
+        meta = self.meta() | self.logprob_meta()
+        result = {"text": self.text(), "output_ids": list(self.token_ids), "meta_info": meta}
+        if self.with_prompt_ids:
+            result["prompt_token_ids"] = meta.pop("prompt_token_ids")
+        return result

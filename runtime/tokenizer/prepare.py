@@ -73,10 +73,26 @@ class RequestPreparer:
         else:
             if self.tokenizer is None:
                 raise BadRequest("this server has no tokenizer (--skip-tokenizer-init): send input_ids")
-            text = req.text if req.text is not None else self.chat_prompt(req)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids = self.encode(req.text) if req.text is not None else self.tokenizer.encode(
+                self.chat_prompt(req), add_special_tokens=False)  # (a chat template writes its own BOS)
+        ids = self.truncated(list(ids), req.truncate_prompt_tokens)
         self.check_fits(ids)
-        return list(ids)
+        return ids
+
+    def truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` ids (-1: as many as leave the
+        context room for one new token)."""
+        if keep is None:
+            return ids
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep == 0 or keep < -1:
+            raise BadRequest(f"truncate_prompt_tokens must be -1 or a positive integer, not {keep!r}")
+        return ids[-(self.context_length - 1 if keep == -1 else keep):]
+
+    def encode(self, text: str) -> list[int]:
+        """A text prompt's ids, with the special tokens its tokenizer adds by default (Llama 3's BOS
+        before it, Qwen3-Embedding's <|endoftext|> after it), as HF, vLLM and SGLang encode one;
+        /tokenize's `add_special_tokens` defaults to the same."""
+        return self.tokenizer.encode(text)
 
     def check_fits(self, ids: list[int]) -> None:
         """A prompt's ids: not empty, in the vocabulary, room in the context for one new token, and
@@ -92,11 +108,11 @@ class RequestPreparer:
             raise BadRequest(f"the prompt has {len(ids)} tokens; the KV cache pool holds {self.kv_pool_tokens} "
                              "(raise --max-total-tokens)")
 
-    def chat_prompt(self, req: GenerateRequest) -> str:
+    def chat_prompt(self, req: GenerateRequest, add_generation_prompt: bool = True) -> str:
         from radixlm.runtime.tokenizer.loader import chat_prompt
 
         try:
-            return chat_prompt(self.tokenizer, req.messages, req.tools, req.chat_template_kwargs)
+            return chat_prompt(self.tokenizer, req.messages, req.tools, req.chat_template_kwargs, add_generation_prompt)
         except ValueError as e:
             raise BadRequest(str(e)) from None
 

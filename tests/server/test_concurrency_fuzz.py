@@ -1,7 +1,7 @@
 """A concurrency fuzzer: hypothesis draws sets of 2-16 requests that mix valid and invalid
 constraints (the same one repeated, n > 1, an unknown $ref, explosive regexes that run into the
-compile time limit), streams, aborts, disconnects and injected worker faults, on the native, chat
-and Responses endpoints, with prompts long enough to reach the KV tier, and sends each set at once
+compile time limit), vLLM's request fields and stream options (valid or refused), streams, aborts,
+disconnects and injected worker faults, on the native, chat and Responses endpoints, with prompts long enough to reach the KV tier, and sends each set at once
 to a live server that runs the features together: its default precision, n-gram speculation, a
 KV tier under a pool that must evict, and a reasoning parser. After every set: each request got
 exactly one answer, nothing but an injected fault drew a 5xx, the server answers /health and a
@@ -46,6 +46,23 @@ EDGE_ERRORS = [  # refused before reaching the scheduler
     {"temperature": "hot"},
     {"bogus": 1},
 ]
+# vLLM's request fields on chat, each drawn or not (their constraints are GOOD_CONSTRAINTS' regexes)
+VLLM_FIELDS = {
+    "return_token_ids": st.booleans(),
+    "prompt_logprobs": st.integers(0, 3),  # with a stream: a 400, as vLLM's
+    "truncate_prompt_tokens": st.sampled_from([4, -1]),
+    "structured_outputs": st.sampled_from([{"choice": ["yes", "no"]}, {"regex": "[0-9]{3}"}]),
+    "echo": st.booleans(),
+    # without a stream: a 400, as OpenAI's, vLLM's and SGLang's
+    "stream_options": st.sampled_from([{"include_usage": True}, {"continuous_usage_stats": True},
+                                       {"include_usage": True, "continuous_usage_stats": True}]),
+}
+
+
+def _vllm_refused(params: dict, stream: bool) -> bool:
+    return ("stream_options" in params and not stream) or (stream and bool(params.get("prompt_logprobs")))
+
+
 # shared heads of a few hundred tokens: the pool (2,048 tokens) evicts them into the tier, and
 # later sets read them back
 LONG = [f"You are assistant number {i} of the {shop} shop. " + f"Answer briefly and name the {shop} aisle. " * 30
@@ -56,7 +73,7 @@ LONG = [f"You are assistant number {i} of the {shop} shop. " + f"Answer briefly 
 class Plan:
     """One request of a set and what the fuzzer does with it."""
 
-    kind: str  # "good", "constrained", "bad-constraint", "edge-error", "fault", "endpoint" (the other APIs)
+    kind: str  # "good", "constrained", "bad-constraint", "edge-error", "fault", "vllm", "endpoint" (the other APIs)
     params: dict
     n: int
     stream: bool
@@ -98,6 +115,8 @@ class Plan:
             return {ENDPOINTS[self.api][2]}
         if self.kind == "edge-error":
             return {400}
+        if self.kind == "vllm":
+            return {400 if _vllm_refused(self.params, self.stream) else 200}
         if self.kind == "bad-constraint":
             return {400}
         if self.kind == "fault":
@@ -119,7 +138,7 @@ ENDPOINTS = {
 
 
 def _plans() -> st.SearchStrategy[Plan]:
-    kind = st.sampled_from(["good", "constrained", "bad-constraint", "edge-error", "fault", "endpoint"])
+    kind = st.sampled_from(["good", "constrained", "bad-constraint", "edge-error", "fault", "vllm", "endpoint"])
     endpoint = st.builds(Plan, kind=st.just("endpoint"), params=st.just({}), n=st.just(1), stream=st.just(False),
                          api=st.sampled_from(sorted(ENDPOINTS)), fate=st.just("wait"))
 
@@ -129,12 +148,12 @@ def _plans() -> st.SearchStrategy[Plan]:
                                                        "max_new_tokens": st.integers(1, 6)})
         extra = {"good": st.just({}), "constrained": st.sampled_from(GOOD_CONSTRAINTS),
                  "bad-constraint": st.sampled_from(BAD_CONSTRAINTS), "edge-error": st.sampled_from(EDGE_ERRORS),
-                 "fault": st.just({})}[k]
+                 "fault": st.just({}), "vllm": st.fixed_dictionaries({}, optional=VLLM_FIELDS)}[k]
         return st.tuples(sampling, extra).map(lambda t: {**t[0], **t[1]})
 
     def plan(k: str) -> st.SearchStrategy[Plan]:
-        api = st.sampled_from({"good": ["native", "chat", "responses", "messages"], "bad-constraint": ["native", "chat"]}
-                              .get(k, ["native"]))
+        api = st.sampled_from({"good": ["native", "chat", "responses", "messages"], "bad-constraint": ["native", "chat"],
+                               "vllm": ["chat"]}.get(k, ["native"]))
         head = st.none() | st.integers(0, len(LONG) - 1) if k != "fault" else st.none()
 
         def build(api_: str) -> st.SearchStrategy[Plan]:
@@ -219,6 +238,22 @@ async def _run_set(url: str, plans: list[Plan], tag: str) -> list[tuple[Plan, tu
     return list(zip(plans, results[: len(plans)]))
 
 
+def _check_vllm_answer(plan: Plan, answer: list[dict]) -> None:
+    """What vLLM's fields promise of a 200: the ids, the prompt's logprobs, usage on every chunk."""
+    if plan.stream:
+        chunks = [e for e in answer if e.get("choices")]
+        if plan.params.get("stream_options", {}).get("continuous_usage_stats"):
+            assert all(e.get("usage") for e in answer), answer[:2]
+        if plan.params.get("return_token_ids") and chunks:
+            assert "prompt_token_ids" in chunks[0], chunks[0]
+        return
+    (whole,) = answer
+    if plan.params.get("return_token_ids"):
+        assert whole["prompt_token_ids"] and all("token_ids" in c for c in whole["choices"]), whole
+    if "prompt_logprobs" in plan.params:
+        assert whole["prompt_logprobs"][0] is None and len(whole["prompt_logprobs"]) == whole["usage"]["prompt_tokens"]
+
+
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory):
     # short generations and a short compile limit keep the sets within minutes; faults by token;
@@ -267,6 +302,8 @@ def test_sets_of_concurrent_requests_leave_the_server_serving(fuzz_server, plans
         if got == 200 and not plan.stream and not plan.openai:
             outs = answer[0] if isinstance(answer[0], list) else [answer[0]]
             assert len(outs) == plan.n, f"{plan}: {len(outs)} results for n={plan.n}"
+        if got == 200 and plan.kind == "vllm":
+            _check_vllm_answer(plan, answer)
     assert httpx.get(url + "/health", timeout=10).status_code == 200
     plain = httpx.post(url + "/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 2}}, timeout=TIMEOUT)
     assert plain.status_code == 200, plain.text

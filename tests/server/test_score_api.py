@@ -80,9 +80,14 @@ def test_rerank_ranks_by_the_models_yes(server, smol, smol_tokenizer):
     ("/v1/score", {"query": "a", "items": ["b"], "label_token_ids": [10**9]}, "label_token_ids"),
     ("/v1/score", {"query": "a", "items": [[1, 2]], "label_token_ids": [1]}, "both"),
     ("/v1/score", {"query": "", "items": [""], "label_token_ids": [1]}, "empty"),
+    ("/v1/score", {"query": "a", "items": ["b" * 40000], "label_token_ids": [1]}, "context length"),  # (the runtime's)
     ("/v1/rerank", {"query": "a", "documents": []}, "documents"),
     ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": 0}, "top_n"),
 ])
 def test_bad_input_is_a_400_naming_it(server, path, body, says):
     r = _post(server, path, body)
-    assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+    if path == "/v1/score":  # SGLang's endpoint answers in SGLang's error object (its ErrorResponse)
+        assert r.status_code == 400 and r.json()["object"] == "error" and r.json()["code"] == 400, r.text
+        assert r.json()["type"] == "BadRequestError" and says in r.json()["message"], r.text
+    else:
+        assert r.status_code == 400 and says in r.json()["error"]["message"], r.text

@@ -23,7 +23,12 @@ def test_tokenize_in_vllms_and_llama_cpps_shapes(server, smol_tokenizer):
     assert bare["tokens"] == smol_tokenizer.encode(text, add_special_tokens=False) and bare["token_strs"] is None
     llama = _post(server, "/tokenize", {"content": text, "with_pieces": True}).json()
     assert [t["id"] for t in llama["tokens"]] == bare["tokens"]
-    assert [t["piece"] for t in llama["tokens"]] == smol_tokenizer.convert_ids_to_tokens(bare["tokens"])
+    # llama.cpp's pieces: each token's text (" world", not the vocabulary's "Ġworld"), or its bytes
+    # where they are no UTF-8 alone (the emoji's); together, the text's bytes
+    pieces = [t["piece"] for t in llama["tokens"]]
+    assert " world" in pieces and any(isinstance(p, list) for p in pieces), pieces
+    assert all(p == smol_tokenizer.decode([t]) for p, t in zip(pieces, bare["tokens"]) if isinstance(p, str))
+    assert b"".join(p.encode() if isinstance(p, str) else bytes(p) for p in pieces) == text.encode()
     back = _post(server, "/detokenize", {"tokens": want}).json()
     assert back["prompt"] == back["content"] == smol_tokenizer.decode(want)
 
@@ -36,12 +41,25 @@ def test_a_chat_prompts_tokens_are_what_a_chat_request_counts(server, smol_token
     assert chat["usage"]["prompt_tokens"] == r["count"]
 
 
+def test_a_chat_prompt_closed_or_continued_as_vllm_renders_it(server, smol_tokenizer):
+    """vLLM's add_generation_prompt (false: no assistant header) and continue_final_message (the
+    last, assistant, message left open), against HF's rendering of the same."""
+    closed = _post(server, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}).json()
+    rendered = smol_tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=False)
+    assert closed["tokens"] == smol_tokenizer.encode(rendered, add_special_tokens=False)
+    prefill = [*MESSAGES, {"role": "assistant", "content": "Hello! I am"}]
+    r = _post(server, "/tokenize", {"messages": prefill, "continue_final_message": True}).json()
+    rendered = smol_tokenizer.apply_chat_template(prefill, tokenize=False, continue_final_message=True)
+    assert r["tokens"] == smol_tokenizer.encode(rendered, add_special_tokens=False) and rendered.endswith("I am")
+
+
 @pytest.mark.parametrize("path,body,says", [
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"prompt": 5}, "prompt"),
     ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "boolean"),
     ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
-    ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}, "add_generation_prompt"),
+    ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": True, "continue_final_message": True}, "both"),
+    ("/tokenize", {"messages": MESSAGES, "chat_template_kwargs": [1]}, "chat_template_kwargs"),
     ("/detokenize", {"tokens": [1, 10**9]}, "lie in"),
     ("/detokenize", {"tokens": "1 2"}, "list of integers"),
 ])

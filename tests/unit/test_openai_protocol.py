@@ -202,9 +202,9 @@ def test_chat_max_completion_tokens_wins() -> None:
 
 def test_chat_to_generate_body() -> None:
     body = chat_to_generate(chat(logprobs=True, top_logprobs=3, stop=["x", "y"]), "PROMPT")
-    assert body == {
+    assert body == {  # (the entries' texts: what OpenAI's logprobs show)
         "text": "PROMPT", "stream": False, "return_logprob": True, "top_logprobs_num": 3,
-        "sampling_params": {"max_new_tokens": None, "n": 1, "stop": ["x", "y"]},
+        "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": None, "n": 1, "stop": ["x", "y"]},
     }
     assert chat_to_generate(chat(logprobs=True), "p")["top_logprobs_num"] == 0
 
@@ -301,7 +301,7 @@ def test_completion_echo_logprobs_cover_the_prompt() -> None:
     res = result("X", [3], 2, logprobs=True)
     res["meta_info"]["input_token_logprobs"] = [[None, 1], [-1.5, 2]]
     res["meta_info"]["input_top_logprobs"] = [None, [[-1.0, 9]]]
-    body = completion_response([res], "m", "r", ["t1t2"], 1, decode, n=1)
+    body = completion_response([res], "m", "r", ["t1t2"], 2, decode, n=1)
     # The first prompt token has no logprob: null, as OpenAI sends it (the
     # SDK's generated type is stricter than its wire format, so no validation).
     assert body["choices"][0]["logprobs"] == {
@@ -395,8 +395,10 @@ def test_usage_chunks() -> None:
 
 def test_include_usage_only_when_streaming() -> None:
     assert chat(stream=True, stream_options={"include_usage": True}).include_usage
-    assert not chat(stream=False, stream_options={"include_usage": True}).include_usage
     assert not chat(stream=True).include_usage
+    # stream options without a stream are refused, as OpenAI, vLLM and SGLang refuse them (issue 47)
+    with pytest.raises(ValidationError, match="stream_options is only allowed when stream is true"):
+        chat(stream=False, stream_options={"include_usage": True})
 
 
 def test_openai_error_body() -> None:
