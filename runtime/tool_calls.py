@@ -197,9 +197,8 @@ def _bare_calls(text: str, names: set[str], parallel: bool) -> list[ToolCall] | 
     body = text.strip()
     for marker in _MARKERS:
         body = body.removeprefix(marker).lstrip()
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
+    obj = _json(body)
+    if obj is None:
         return None
     calls = [_call_object(item, names) for item in (obj if isinstance(obj, list) else [obj])]
     if not calls or None in calls:
@@ -214,24 +213,37 @@ def _may_be_bare(text: str) -> bool:
 
 
 def _call(text: str, names: set[str]) -> ToolCall | None:
+    return _call_object(_json(text), names)
+
+
+def _json(text: str) -> Any:
+    """The JSON value `text` holds, or None when it holds none (so it stays text). A model writes
+    anything: what no JSON answer can carry (NaN and Infinity, which Python's parser takes; a lone
+    surrogate escape such as \\ud800, which UTF-8 cannot encode) and nesting deeper than the
+    parser's recursion limit are no JSON here."""
     try:
-        return _call_object(json.loads(text), names)
-    except json.JSONDecodeError:
+        value = json.loads(text, parse_constant=_not_json)
+        json.dumps(value, ensure_ascii=False).encode()
+    except (ValueError, RecursionError):  # (JSONDecodeError and UnicodeEncodeError are ValueErrors)
         return None
+    return value
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
 
 
 def _call_object(obj: Any, names: set[str]) -> ToolCall | None:
-    if not isinstance(obj, dict) or obj.get("name") not in names:
+    """The call `obj` is: a JSON object naming a known tool (a name that is no string, an object
+    or a list, names none) with an object of arguments."""
+    if not isinstance(obj, dict) or not isinstance(name := obj.get("name"), str) or name not in names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models write the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
+        args = _json(args)
     if not isinstance(args, dict):
         return None
-    return ToolCall(obj["name"], json.dumps(args))
+    return ToolCall(name, json.dumps(args))
 
 
 class AutoStream:

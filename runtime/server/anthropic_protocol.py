@@ -4,9 +4,10 @@ mapping onto chat, free of I/O like responses_protocol.py:
 * ``MessagesRequest``: parses and range-checks a request (content blocks: text, tool_use,
   tool_result, thinking), refusing what a text-only local server cannot honour (images,
   documents, server tools) with a message that says so;
-* ``to_chat``: the same request as a ``ChatCompletionRequest`` (system prompt, turns, tools and
-  ``tool_choice``: auto, any = required, tool = named, none; thinking off as Qwen3's template
-  switch), so it runs the chat path unchanged;
+* ``to_chat``: the same request as a ``ChatCompletionRequest`` (system prompt, turns, system
+  turns where they stand, a trailing assistant turn continued, tools and ``tool_choice``: auto,
+  any = required, tool = named, none; thinking off unless asked for, as Qwen3's template switch),
+  so it runs the chat path unchanged;
 * the answer built from the chat result (``whole_message``) or streamed (``EventStream``: chat
   deltas in, ``message_start``, ``content_block_start/delta/stop``, ``ping``, ``message_delta``,
   ``message_stop`` out), and errors in Anthropic's shape (``error_body``).
@@ -28,7 +29,8 @@ from radixlm.runtime.server import openai_protocol as oa
 
 # HTTP status -> Anthropic's error type
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+               529: "overloaded_error"}
 # request fields with no effect on a local server (caching hints, billing, routing): accepted, dropped
 _NO_EFFECT = frozenset({"metadata", "service_tier", "cache_control", "inference_geo", "speed", "container",
                         "user_profile_id", "workspace_id", "diagnostics"})
@@ -90,27 +92,43 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | R
 _BLOCK_TYPES = {"text", "tool_use", "tool_result", "thinking", "redacted_thinking"}
 
 
+def _refuse_blocks(content: Any, allowed: set[str], where: str, what: str) -> None:
+    """Refuses `content` (a list of blocks) holding a block type not in `allowed`, naming it."""
+    if isinstance(content, list):
+        other = sorted({str(b.get("type")) for b in content if isinstance(b, dict)} - allowed)
+        if other:
+            raise ValueError(f"{where} has blocks of type {', '.join(other)}, which are not supported: the served "
+                             f"model reads text only ({what})")
+
+
 class InputMessage(BaseModel):
+    """One turn. A ``system`` turn among the messages (Claude Code sends them; SGLang and vLLM take
+    them) stays a system message where it stands: see ``_chat_messages``."""
+
     model_config = ConfigDict(extra="forbid")
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
     @model_validator(mode="before")
     @classmethod
     def _known_blocks(cls, data: Any) -> Any:
-        content = data.get("content") if isinstance(data, dict) else None
-        if isinstance(content, list):
-            other = sorted({str(b.get("type")) for b in content if isinstance(b, dict)} - _BLOCK_TYPES)
-            if other:
-                raise ValueError(f"content blocks of type {', '.join(other)} are not supported: this server reads "
-                                 "text (text, tool_use, tool_result and thinking blocks) only")
+        # (checked before the fields: a bad block in the list would otherwise be reported as the
+        # content's failing to be a string, the union's first member)
+        if not isinstance(data, dict):
+            return data
+        content, system = data.get("content"), data.get("role") == "system"
+        _refuse_blocks(content, {"text"} if system else _BLOCK_TYPES, "a system turn" if system else "a message",
+                       "text blocks" if system else "text, tool_use, tool_result and thinking blocks")
+        for block in content if isinstance(content, list) else ():
+            if isinstance(block, dict) and block.get("type") == "tool_result":
+                _refuse_blocks(block.get("content"), {"text"}, "a tool_result's content", "a string or text blocks")
         return data
 
 
 class Tool(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["custom"] | None = None
-    name: str = Field(min_length=1, max_length=128, pattern=r"^[a-zA-Z0-9_-]+$")
+    name: oa.FunctionName  # the tool-use guide's ^[a-zA-Z0-9_-]{1,64}$, OpenAI's too
     description: str | None = None
     input_schema: dict[str, Any]
 
@@ -178,8 +196,16 @@ class MessagesRequest(CountTokensRequest):
 
 def to_chat(req: MessagesRequest | CountTokensRequest) -> oa.ChatCompletionRequest:
     """The chat request that generates this message. Raises ``ValueError`` in the Messages API's
-    terms for what chat refuses."""
-    body: dict[str, Any] = {"model": req.model, "messages": _chat_messages(req)}
+    terms for what chat refuses.
+
+    Thinking is off unless ``thinking`` asks for it (``enabled``, or ``adaptive``: the model
+    decides), Anthropic's default; off is Qwen3's template switch, which other templates ignore. A
+    last message of the assistant's is a prefill: the reply continues its text (chat's
+    ``continue_final_message``), so it is content, not reasoning."""
+    messages = _chat_messages(req)
+    thinking = req.thinking is not None and req.thinking.type != "disabled"
+    body: dict[str, Any] = {"model": req.model, "messages": messages,
+                            "continue_final_message": _prefill(messages, thinking)}
     if isinstance(req, MessagesRequest):
         body.update(max_completion_tokens=req.max_tokens, stop=req.stop_sequences, stream=req.stream,
                     temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
@@ -193,24 +219,44 @@ def to_chat(req: MessagesRequest | CountTokensRequest) -> oa.ChatCompletionReque
         body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
     elif choice is not None and choice.type in ("any", "tool"):
         raise ValueError(f'tool_choice "{choice.type}" needs tools')
-    if req.thinking is not None and req.thinking.type == "disabled":
-        body["chat_template_kwargs"] = {"enable_thinking": False}  # Qwen3's switch; other templates ignore it
+    if not thinking:
+        body["chat_template_kwargs"] = {"enable_thinking": False}
     try:
         return oa.ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as e:
         raise ValueError(e.errors()[0]["msg"].removeprefix("Value error, ")) from None
 
 
+def _prefill(messages: list[dict[str, Any]], thinking: bool) -> bool:
+    """Whether the reply continues a last message of the assistant's; ValueError where it cannot."""
+    if not messages or messages[-1]["role"] != "assistant":
+        return False
+    if messages[-1].get("tool_calls"):
+        raise ValueError("the last message is the assistant's and holds tool_use blocks: only text can be continued; "
+                         "send each call's tool_result in a user message")
+    if thinking:
+        raise ValueError("a last message of the assistant's (a prefill) cannot be continued with thinking enabled, "
+                         "as in Anthropic's API: leave it out, or turn thinking off")
+    return True
+
+
 def _chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
     """The conversation as chat messages: the system prompt first; a user turn's tool results
     become tool turns and its text a user turn, in the order of its blocks; an assistant turn's
-    text, calls and thinking one assistant message."""
+    text, calls and thinking one assistant message; a system turn a system message where it
+    stands. Kept in place, a system turn leaves the conversation before it unchanged, so the
+    radix cache still holds that prefix on the next request; a chat template that takes a system
+    message only first gets them all joined into the first (tokenizer/loader.py's chat_prompt).
+    A last assistant turn with no text and no calls asks for the reply as if it were absent."""
     out: list[dict[str, Any]] = []
     if req.system:
         out.append({"role": "system", "content": req.system if isinstance(req.system, str)
                     else "\n".join(b.text for b in req.system)})
     for msg in req.messages:
         blocks = [TextBlock(type="text", text=msg.content)] if isinstance(msg.content, str) else msg.content
+        if msg.role == "system":  # (text blocks only: InputMessage)
+            out.append({"role": "system", "content": "\n".join(b.text for b in blocks)})
+            continue
         if msg.role == "assistant":
             text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
             turn: dict[str, Any] = {"role": "assistant", "content": text or None}
@@ -234,6 +280,9 @@ def _chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, 
                 texts.append(b.text)
         if texts or not blocks:
             out.append({"role": "user", "content": "\n".join(texts)})
+    last = out[-1] if out else {}
+    if last.get("role") == "assistant" and not (last["content"] or "").strip() and not last.get("tool_calls"):
+        out.pop()  # (no text to continue: the reply is written anew, its thinking with it)
     return out
 
 
@@ -245,10 +294,10 @@ def stop_reason(finish: str | None, matched: Any, stops: list[str] | None, calle
     model called a tool (a forced call too: Anthropic says tool_use for it, where OpenAI says stop)."""
     if finish == "length":
         return "max_tokens", None
+    if isinstance(matched, str) and matched in (stops or ()):  # (a call it cut short is no use)
+        return "stop_sequence", matched
     if called or finish == "tool_calls":
         return "tool_use", None
-    if isinstance(matched, str) and matched in (stops or ()):
-        return "stop_sequence", matched
     return "end_turn", None
 
 
@@ -266,8 +315,19 @@ def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
     if message.get("content"):
         blocks.append({"type": "text", "text": message["content"]})
     for call in message.get("tool_calls") or ():
-        blocks.append(_tool_use(call["function"]["name"], json.loads(call["function"]["arguments"] or "{}")))
+        blocks.append(_tool_use(call["function"]["name"], _tool_input(call["function"]["arguments"])))
     return blocks
+
+
+def _tool_input(arguments: str) -> dict[str, Any]:
+    """A call's input: its arguments, or ``{}`` where max_tokens or a stop sequence cut them short,
+    as Anthropic's API answers such a tool_use (a stream has sent what there was, as
+    ``input_json_delta``)."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _tool_use(name: str, arguments: Any) -> dict[str, Any]:

@@ -99,14 +99,15 @@ def chat_body(req: ChatCompletionRequest, reasoning: ReasoningFormat | None = No
 
 class ChatRun:
     """A chat request run for another protocol (the Responses and Messages APIs): its native
-    requests, and its choice's readers of tool calls and reasoning, by the server's parser."""
+    requests, and its choice's readers of tool calls and reasoning, by the server's parser. A
+    forced call whose arguments never began is left out (``ToolReader.unbegun_call``)."""
 
     def __init__(self, state: ServerState, chat: Any) -> None:
         parser = state.server_args.get("reasoning_parser")
         self.state = state
         body = chat_body(chat, reasoning_format(parser) if parser else None)
         self.reqs, _ = native_requests({**body, "lora_path": state.lora_for(chat.model)})
-        self.tools, self.reasoning = ToolReader.of(chat), ReasoningReader.of(chat, parser)
+        self.tools, self.reasoning = ToolReader.of(chat, unbegun_call=False), ReasoningReader.of(chat, parser)
 
     def choice_stream(self) -> ChoiceStream:
         return ChoiceStream(self.tools, self.reasoning)

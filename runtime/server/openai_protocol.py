@@ -10,9 +10,10 @@ back into OpenAI JSON.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 MAX_N = 16  # choices per prompt; each one is a full sequence in the batch
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit
@@ -20,6 +21,20 @@ MAX_CHAT_TOP_LOGPROBS = 20  # the chat API's limit
 MAX_TOOLS = 128  # OpenAI's limit on tools per request
 
 TokenId = Annotated[StrictInt, Field(ge=0)]
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def _tool_name(name: str) -> str:
+    # OpenAI's limit, and the one Anthropic's tool-use guide documents (^[a-zA-Z0-9_-]{1,64}$):
+    # one rule for both APIs, since a Messages tool runs as a chat tool
+    if not _TOOL_NAME.fullmatch(name):
+        shown = repr(name) if len(name) <= 128 else repr(name[:128]) + "..."
+        raise ValueError(f"the tool name {shown} ({len(name)} characters) is not allowed: a tool name is 1 to 64 "
+                         "letters, digits, '_' or '-'")
+    return name
+
+
+FunctionName = Annotated[str, AfterValidator(_tool_name)]
 
 
 # OpenAI request fields that have no effect on a local model server (bookkeeping, billing):
@@ -248,7 +263,7 @@ class ChatMessage(BaseModel):
 
 class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="allow")
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
     strict: bool | None = None

@@ -26,21 +26,26 @@ class ToolReader:
     names: set[str]
     parallel: bool
     function: str | None = None  # the named one
+    # Whether a forced (named) call whose arguments never began (the output ended in the reasoning,
+    # or before anything but whitespace) is still answered: chat's shape has a named tool_choice's
+    # call in every answer; the Responses and Messages APIs leave it out and say why the output
+    # ended (incomplete, max_tokens) instead.
+    unbegun_call: bool = True
 
     @classmethod
-    def of(cls, req: ChatCompletionRequest) -> ToolReader | None:
+    def of(cls, req: ChatCompletionRequest, unbegun_call: bool = True) -> ToolReader | None:
         mode = req.tool_mode
         if mode == "none":
             return None
         named = req.tool_choice.function.name if mode == "named" else None
-        return cls(mode, {t.function.name for t in req.tools or ()}, req.parallel_tool_calls, named)
+        return cls(mode, {t.function.name for t in req.tools or ()}, req.parallel_tool_calls, named, unbegun_call)
 
     def read(self, text: str) -> tuple[str | None, list[tool_calls.ToolCall]]:
         """(content, calls) of a whole choice. The content never begins with whitespace, nor ends
         with it beside calls: a stream sends the same (`ToolStream`), though it cannot know, as
         text comes, whether a call will follow."""
         if self.mode == "named":  # the text is the arguments (cut short if the length limit struck)
-            return None, [tool_calls.ToolCall(self.function, text)]
+            return None, [tool_calls.ToolCall(self.function, text)] if text.strip() or self.unbegun_call else []
         # a `required` output is a JSON array of calls, which auto's reading takes as bare calls
         # (cut short by the length limit, it stays content)
         content, calls = tool_calls.parse_auto(text, self.names, self.parallel)
@@ -62,6 +67,7 @@ class ToolStream:
         # auto and required (bare JSON calls, held to the end)
         self.auto = tool_calls.AutoStream(reader.names, reader.parallel) if reader.mode != "named" else None
         self.named_call: tool_calls.ToolCall | None = None
+        self.held = ""  # a forced call's arguments, held back while they are whitespace only
         self.called = False
         self.spaces = ""  # whitespace at the end of the content so far: sent once text follows it
         self.begun = False  # whether any content went out (whitespace before it never does)
@@ -69,10 +75,11 @@ class ToolStream:
     def feed(self, text: str) -> list[dict[str, Any]]:
         if self.auto is not None:
             return self._content(self.auto.feed(text))
-        if not text:  # nothing of the arguments yet (the reasoning may still be streaming)
-            return []
         if self.named_call is None:  # the first piece of the arguments opens the call, named
-            return self._open_named(text)
+            self.held += text
+            if not self.held.strip():  # nothing of them yet (the reasoning may still be streaming)
+                return []
+            return self._open_named(self.held)
         return [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}]
 
     def _open_named(self, arguments: str) -> list[dict[str, Any]]:
@@ -90,8 +97,8 @@ class ToolStream:
         return [{"content": body}] if body else []
 
     def finish(self) -> list[dict[str, Any]]:
-        if self.auto is None:  # a forced call is answered even when no argument was written
-            return self._open_named("") if self.named_call is None else []
+        if self.auto is None:  # a forced call whose arguments never began: answered if the reader says so
+            return self._open_named(self.held) if self.named_call is None and self.reader.unbegun_call else []
         content, calls = self.auto.finish()
         deltas = self._content(content)
         if calls:

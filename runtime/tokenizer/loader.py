@@ -180,6 +180,9 @@ def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any
     variables the template reads (Qwen3's `enable_thinking`), and SGLang's
     `continue_final_message`: a last message of the assistant's is left open for the reply to
     continue (no generation prompt; ignored after any other role, as SGLang ignores it).
+    A system message past the first stays where it stands; a template that refuses one there
+    (a system message only first: Qwen3.5's, Gemma's) gets every system message joined, in order,
+    into one at the start, as vLLM and SGLang do for such templates.
     Raises ValueError when the messages do not fit the template."""
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
@@ -195,14 +198,28 @@ def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # named templates ("default", "tool_use", ...)
         template = "\n".join(template.values())
-    try:
-        messages, tools = tool_calls.for_template(messages, tools, template)
+
+    def render(messages: list[dict[str, Any]]) -> str:
+        rendered, listed = tool_calls.for_template(messages, tools, template)
         # transformers renders templates in a jinja2 sandbox
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+        return tokenizer.apply_chat_template(rendered, tools=listed, tokenize=False,
                                              add_generation_prompt=add_generation_prompt and not prefill,
                                              continue_final_message=prefill, **template_kwargs)
+
+    try:
+        return render(messages)
     except Exception as e:  # noqa: BLE001 - a template error is the request's fault
+        if any(m["role"] == "system" for m in messages[1:]):
+            with contextlib.suppress(Exception):
+                return render(_system_first(messages))
         raise ValueError(f"cannot apply the chat template: {e}") from e
+
+
+def _system_first(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with every system message's text joined, in order, into one at the start."""
+    system = [m for m in messages if m["role"] == "system"]
+    joined = {"role": "system", "content": "\n\n".join(str(m.get("content") or "") for m in system)}
+    return [joined] + [m for m in messages if m["role"] != "system"]
 
 
 # apply_chat_template's own arguments (and the variables it sets): not for chat_template_kwargs

@@ -62,6 +62,19 @@ def test_body_size_limit():
     assert r.status_code == 400
 
 
+def test_a_body_over_the_limit_is_anthropics_request_too_large():
+    """The Messages API's 413 has its own error type (it said invalid_request_error)."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url="http://testserver", api_key="unused", max_retries=0,
+                                 http_client=app(max_request_bytes=1000))
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        client.messages.create(model="smol", max_tokens=5, messages=[{"role": "user", "content": "x" * 2000}])
+    assert caught.value.status_code == 413
+    assert caught.value.body["error"]["type"] == "request_too_large", caught.value.body
+    assert "over the limit of 1000 bytes" in caught.value.body["error"]["message"]
+
+
 def test_a_body_without_a_length_gets_411():
     client = app()
 

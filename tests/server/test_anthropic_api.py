@@ -129,6 +129,56 @@ def test_forced_tool_use_then_its_result(client, chat, server, stream):
     assert_kv_clean(server.url)
 
 
+def _message(client, stream: bool, **kw) -> Message:
+    if not stream:
+        return _create(client, **kw)
+    with client.messages.stream(model="default", extra_body=GREEDY, **kw) as s:
+        return s.get_final_message()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_cut_short_ends_with_max_tokens_or_the_stop_sequence(client, server, stream):
+    """Seen live: max_tokens 3 on a forced tool was a 500 (json.loads of the arguments it cut). As
+    Anthropic's API answers: the tool_use cut short (its input {} whole; the client's stream reader
+    parses what it was sent) and why it stopped."""
+    ask = dict(messages=[{"role": "user", "content": "Add 20 and 22."}], tools=[ADD],
+               tool_choice={"type": "tool", "name": "add"})
+    cuts = ((dict(max_tokens=3), "max_tokens"), (dict(max_tokens=60, stop_sequences=[":"]), "stop_sequence"))
+    for cut, reason in cuts:
+        m = _message(client, stream, **ask, **cut)  # (the arguments' first key ends at its ":")
+        (use,) = [b for b in m.content if b.type == "tool_use"]
+        assert (m.stop_reason, use.name) == (reason, "add"), m
+        assert m.stop_sequence == cut.get("stop_sequences", [None])[0]
+        if not stream:
+            assert use.input == {}
+    assert_kv_clean(server.url)
+
+
+def test_a_trailing_assistant_message_is_continued(client, chat, server):
+    """A prefill, as the Messages API documents it: the reply continues the assistant's text in its
+    open turn (a new turn was opened after it): chat's continue_final_message, token for token."""
+    prefilled = [*ASK, {"role": "assistant", "content": "The three colors are"}]
+    m = _create(client, messages=prefilled, max_tokens=6)
+    want = _chat(chat, prefilled, max_tokens=6, extra_body={"continue_final_message": True})
+    assert m.content[0].text == want.choices[0].message.content
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == want.usage.prompt_tokens
+    closed = _chat(chat, prefilled, max_tokens=1)  # the same turns with the assistant's closed
+    assert closed.usage.prompt_tokens > want.usage.prompt_tokens
+    assert client.messages.count_tokens(model="default", messages=prefilled).input_tokens == want.usage.prompt_tokens
+    assert_kv_clean(server.url)
+
+
+def test_a_system_turn_among_the_messages_stays_where_it_stands(client, chat, server):
+    """Claude Code sends one (it was a 400); SmolLM2's template takes it in place."""
+    turns = [*ASK, {"role": "assistant", "content": "Red, green, blue."},
+             {"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Again."}]
+    m = _create(client, system=SYSTEM, messages=turns, max_tokens=6)
+    want = _chat(chat, [{"role": "system", "content": SYSTEM}, *turns], max_tokens=6)
+    assert m.content[0].text == want.choices[0].message.content
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == want.usage.prompt_tokens
+    assert_kv_clean(server.url)
+
+
 def test_tool_choice_any_calls_one_of_the_tools(client):
     m = _create(client, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
                 tools=[WEATHER, ADD], tool_choice={"type": "any", "disable_parallel_tool_use": True}, max_tokens=60)
@@ -146,6 +196,11 @@ def test_tool_choice_any_calls_one_of_the_tools(client):
     ({"max_tokens": 5, "messages": ASK, "tool_choice": {"type": "any"}}, 400, "needs tools"),
     ({"max_tokens": 5, "messages": ASK, "temperature": 1.5}, 400, "temperature"),
     ({"max_tokens": 5, "messages": ASK, "frequency": 1}, 400, "frequency"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                                  "content": [{"type": "image", "source": {}}]}]}]},
+     400, "a tool_result's content has blocks of type image, which are not supported: the served model reads text"),
+    ({"max_tokens": 5, "messages": ASK, "tools": [{"name": "t" * 65, "input_schema": {"type": "object"}}]}, 400,
+     f"the tool name '{'t' * 65}' (65 characters) is not allowed"),
 ])
 def test_bad_requests_get_anthropics_error_shape(server, body, status, says):
     r = httpx.post(server.url + "/v1/messages", json={"model": "default", **body}, timeout=60)

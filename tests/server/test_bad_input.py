@@ -86,7 +86,7 @@ OPENAI = [
     ("chat/completions", {"messages": HI, "max_completion_tokens": 10**9}, "does not fit"),
     ("chat/completions", {"messages": HI, "n": 10**6}, "n"),
     ("chat/completions", {"messages": HI, "temperature": "hot"}, "temperature"),
-    ("chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f g"}}]}, "pattern"),
+    ("chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f g"}}]}, "tool name 'f g'"),
     ("chat/completions", {"messages": HI, "tool_choice": "required"}, "tool_choice needs tools"),
     ("chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}],
                           "tool_choice": {"type": "function", "function": {"name": "g"}}}, "not among the tools"),

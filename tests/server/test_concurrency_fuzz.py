@@ -1,8 +1,9 @@
 """A concurrency fuzzer: hypothesis draws sets of 2-16 requests that mix valid and invalid
 constraints (the same one repeated, n > 1, an unknown $ref, explosive regexes that run into the
 compile time limit), vLLM's request fields and stream options (valid or refused), streams, aborts,
-disconnects and injected worker faults, on the native, chat and Responses endpoints, with prompts long enough to reach the KV tier, and sends each set at once
-to a live server that runs the features together: its default precision, n-gram speculation, a
+disconnects and injected worker faults, on the native, chat and Responses endpoints, chat answers
+with tools that a regex makes JSON whose "name" is no string (content, not a call), with prompts
+long enough to reach the KV tier, and sends each set at once to a live server that runs the features together: its default precision, n-gram speculation, a
 KV tier under a pool that must evict, and a reasoning parser. After every set: each request got
 exactly one answer, nothing but an injected fault drew a 5xx, the server answers /health and a
 plain request, and its KV accounting (the tier's included) is clean.
@@ -15,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import string
 from dataclasses import dataclass
 
 import httpx
@@ -63,6 +66,19 @@ def _vllm_refused(params: dict, stream: bool) -> bool:
     return ("stream_options" in params and not stream) or (stream and bool(params.get("prompt_logprobs")))
 
 
+# what a model may write that looks like a tool call and names none: a "name" that is no string
+# (once a 500: unhashable in the parser), bare or in <tool_call> tags; compact and ASCII, so that
+# re.escape of it is a regex every grammar backend reads
+_WORD = st.text(string.ascii_letters + string.digits, max_size=5)
+_NOT_A_NAME = st.recursive(st.none() | st.booleans() | st.integers(-99, 99),
+                           lambda inner: st.lists(inner | _WORD, max_size=2)
+                           | st.dictionaries(_WORD, inner | _WORD, max_size=2), max_leaves=4)
+TOOL_TEXT_PARAMS = st.builds(
+    lambda name, form: {"tools": [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}],
+                        "regex": re.escape(form.format(json.dumps({"name": name, "arguments": {}}, separators=(",", ":")))),
+                        "chat_template_kwargs": {"enable_thinking": False},  # (the constraint from the first token)
+                        "max_new_tokens": 64},
+    _NOT_A_NAME, st.sampled_from(["{}", "<tool_call>{}</tool_call>", "[{}]"]))
 # shared heads of a few hundred tokens: the pool (2,048 tokens) evicts them into the tier, and
 # later sets read them back
 LONG = [f"You are assistant number {i} of the {shop} shop. " + f"Answer briefly and name the {shop} aisle. " * 30
@@ -73,7 +89,7 @@ LONG = [f"You are assistant number {i} of the {shop} shop. " + f"Answer briefly 
 class Plan:
     """One request of a set and what the fuzzer does with it."""
 
-    kind: str  # "good", "constrained", "bad-constraint", "edge-error", "fault", "vllm", "endpoint" (the other APIs)
+    kind: str  # "good", "constrained", "bad-constraint", "edge-error", "fault", "vllm", "tool-text", "endpoint" (the other APIs)
     params: dict
     n: int
     stream: bool
@@ -138,7 +154,8 @@ ENDPOINTS = {
 
 
 def _plans() -> st.SearchStrategy[Plan]:
-    kind = st.sampled_from(["good", "constrained", "bad-constraint", "edge-error", "fault", "vllm", "endpoint"])
+    kind = st.sampled_from(["good", "constrained", "bad-constraint", "edge-error", "fault", "vllm", "tool-text",
+                            "endpoint"])
     endpoint = st.builds(Plan, kind=st.just("endpoint"), params=st.just({}), n=st.just(1), stream=st.just(False),
                          api=st.sampled_from(sorted(ENDPOINTS)), fate=st.just("wait"))
 
@@ -148,12 +165,13 @@ def _plans() -> st.SearchStrategy[Plan]:
                                                        "max_new_tokens": st.integers(1, 6)})
         extra = {"good": st.just({}), "constrained": st.sampled_from(GOOD_CONSTRAINTS),
                  "bad-constraint": st.sampled_from(BAD_CONSTRAINTS), "edge-error": st.sampled_from(EDGE_ERRORS),
-                 "fault": st.just({}), "vllm": st.fixed_dictionaries({}, optional=VLLM_FIELDS)}[k]
+                 "fault": st.just({}), "vllm": st.fixed_dictionaries({}, optional=VLLM_FIELDS),
+                 "tool-text": TOOL_TEXT_PARAMS}[k]
         return st.tuples(sampling, extra).map(lambda t: {**t[0], **t[1]})
 
     def plan(k: str) -> st.SearchStrategy[Plan]:
         api = st.sampled_from({"good": ["native", "chat", "responses", "messages"], "bad-constraint": ["native", "chat"],
-                               "vllm": ["chat"]}.get(k, ["native"]))
+                               "vllm": ["chat"], "tool-text": ["chat"]}.get(k, ["native"]))
         head = st.none() | st.integers(0, len(LONG) - 1) if k != "fault" else st.none()
 
         def build(api_: str) -> st.SearchStrategy[Plan]:
@@ -304,6 +322,8 @@ def test_sets_of_concurrent_requests_leave_the_server_serving(fuzz_server, plans
             assert len(outs) == plan.n, f"{plan}: {len(outs)} results for n={plan.n}"
         if got == 200 and plan.kind == "vllm":
             _check_vllm_answer(plan, answer)
+        if got == 200 and plan.kind == "tool-text" and not plan.stream:  # it names no tool: no call, ever
+            assert all(not c["message"].get("tool_calls") for c in answer[0]["choices"]), answer
     assert httpx.get(url + "/health", timeout=10).status_code == 200
     plain = httpx.post(url + "/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 2}}, timeout=TIMEOUT)
     assert plain.status_code == 200, plain.text

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import httpx
 import jsonschema
 import openai
@@ -117,6 +118,49 @@ def test_a_forced_tool_call_follows_the_reasoning(srv, client):
     (call,) = message.tool_calls
     assert call.function.name == "answer"
     jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+    assert_kv_clean(srv.url)
+
+
+def test_messages_think_only_when_asked(srv, client):
+    """Anthropic's default is no thinking (the Messages API thought unless told not to): Qwen3's
+    template closes an empty block in the prompt unless thinking is enabled."""
+    messages = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0).messages
+    ask = dict(model="default", messages=QUESTION, max_tokens=8, extra_body={"temperature": 0})
+    off, on = messages.create(**ask), messages.create(**ask, thinking={"type": "enabled", "budget_tokens": 1024})
+    plain = chat(client, temperature=0, seed=None, logit_bias=None, max_tokens=8,
+                 extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    thinking = chat(client, temperature=0, seed=None, logit_bias=None, max_tokens=8)
+    assert off.usage.input_tokens + off.usage.cache_read_input_tokens == plain.usage.prompt_tokens
+    assert on.usage.input_tokens + on.usage.cache_read_input_tokens == thinking.usage.prompt_tokens
+    assert plain.usage.prompt_tokens > thinking.usage.prompt_tokens  # (the closed block)
+    assert [b.type for b in on.content][:1] == ["thinking"] and "thinking" not in [b.type for b in off.content]
+    assert_kv_clean(srv.url)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_the_budget_never_reached_is_no_call_in_the_responses_api(srv, client, stream):
+    """The budget spent in the reasoning: chat's answer keeps its forced call, with no arguments;
+    the Responses API emits no such call (it did, streamed and not) and is incomplete."""
+    # (strict said, as the Responses API assumes it otherwise: the template shows the same tool)
+    tool = {"type": "function", "function": {"name": "answer", "parameters": SCHEMA, "strict": False}}
+    seeded = dict(temperature=1, max_tokens=4)
+    told = chat(client, tools=[tool], tool_choice={"type": "function", "function": {"name": "answer"}},
+                logit_bias=None, **seeded).choices[0]
+    assert told.finish_reason == "length" and told.message.reasoning_content, "the seed no longer reasons for 4 tokens"
+    assert told.message.tool_calls[0].function.arguments == ""
+    ask = dict(model="default", input=QUESTION, tools=[{"type": "function", **tool["function"]}],
+               tool_choice={"type": "function", "name": "answer"}, temperature=1, max_output_tokens=4,
+               extra_body={"seed": SAMPLING["seed"]})
+    if stream:
+        events = list(client.responses.create(stream=True, **ask))
+        assert "function_call" not in [e.item.type for e in events if e.type == "response.output_item.added"]
+        response = events[-1].response
+        assert events[-1].type == "response.incomplete"
+    else:
+        response = client.responses.create(**ask)
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert [i.type for i in response.output] == ["reasoning"]
+    assert response.output[0].content[0].text == told.message.reasoning_content
     assert_kv_clean(srv.url)
 
 

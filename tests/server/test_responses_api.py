@@ -236,7 +236,7 @@ BAD = [
     ({"input": [{"type": "function_call", "call_id": "c", "name": "add", "arguments": "{oops"}]}, "JSON object"),
     ({"input": []}, "input"),
     ({"tools": [{"type": "web_search"}]}, "only function tools"),
-    ({"tools": [{"type": "function", "name": "f g"}]}, "pattern"),
+    ({"tools": [{"type": "function", "name": "f g"}]}, "tool name 'f g'"),
     ({"tool_choice": "required"}, "tool_choice needs tools"),
     ({"tools": [ADD], "tool_choice": {"type": "function", "name": "sub"}}, "not among the tools"),
     ({"tools": [ADD], "tool_choice": {"type": "allowed_tools", "tools": []}}, "allowed_tools"),

@@ -8,40 +8,15 @@ import json
 
 import orjson
 import pytest
-from fastapi.testclient import TestClient
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from radixlm.runtime.messages import ClientOutput
-from radixlm.runtime.server.http_server import ServerState, create_app
+from server.stand_in import StandInClient, app
 
 EVENT = TypeAdapter(ResponseStreamEvent)
 ADD = {"type": "function", "name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}
-
-
-class StandInClient:
-    """Streams `outputs` (text pieces, the last one finished), then raises `then` if given."""
-
-    on_finish = None
-
-    def __init__(self, pieces: list[str], then: Exception | None = None) -> None:
-        self.pieces, self.then = pieces, then
-
-    async def stream(self, req):
-        for i, text in enumerate(self.pieces):
-            last = i == len(self.pieces) - 1 and self.then is None
-            meta = {"prompt_tokens": 3, "completion_tokens": i + 1, "cached_tokens": 0}
-            if last:
-                meta["finish_reason"] = {"type": "stop"}
-            yield ClientOutput(req.rid, text, [i + 10], meta, finished=last)
-        if self.then is not None:
-            raise self.then
-
-
-def app(client: StandInClient, **server_args) -> TestClient:
-    return TestClient(create_app(ServerState(client, {}, server_args, "smol")))
 
 
 def events(raw: str) -> list[dict]:

@@ -84,3 +84,83 @@ def test_the_event_stream_opens_one_block_at_a_time():
     assert parsed[0].message.usage.cache_read_input_tokens == 16 and parsed[-2].delta.stop_reason == "tool_use"
     failed = event(events.fail("boom", 500).decode().split("data: ")[1].strip())
     assert failed.type == "error" and failed.error.type == "api_error" and failed.error.message == "boom"
+
+
+def _turns(*messages) -> list[dict]:
+    return [m.model_dump(include={"role", "content"}) for m in ap.to_chat(_req(messages=list(messages))).messages]
+
+
+HI = {"role": "user", "content": "hi"}
+
+
+def test_thinking_is_off_unless_asked_for():
+    """Anthropic's default is no thinking: Qwen3's template is told so unless thinking is enabled
+    (or adaptive); it was on unless disabled."""
+    off = {"enable_thinking": False}
+    assert ap.to_chat(_req(messages=[HI])).chat_template_kwargs == off
+    assert ap.to_chat(_req(messages=[HI], thinking={"type": "disabled"})).chat_template_kwargs == off
+    for on in ({"type": "enabled", "budget_tokens": 2048}, {"type": "adaptive"}):
+        assert ap.to_chat(_req(messages=[HI], thinking=on)).chat_template_kwargs is None
+
+
+def test_a_trailing_assistant_message_is_continued():
+    """A prefill: the reply continues the assistant's text (it opened a new turn after it)."""
+    chat = ap.to_chat(_req(messages=[HI, {"role": "assistant", "content": [{"type": "text", "text": "The answer is"}]}]))
+    assert chat.continue_final_message and chat.messages[-1].content == "The answer is"
+    assert chat.chat_template_kwargs == {"enable_thinking": False}  # what follows is the text's, not reasoning
+    assert not ap.to_chat(_req(messages=[HI])).continue_final_message
+    # an assistant turn with no text asks for the reply as if it were absent
+    assert _turns(HI, {"role": "assistant", "content": ""}) == [HI]
+    with pytest.raises(ValueError, match="thinking enabled"):
+        ap.to_chat(_req(messages=[HI, {"role": "assistant", "content": "So"}], thinking={"type": "enabled",
+                                                                                         "budget_tokens": 1024}))
+    with pytest.raises(ValueError, match="tool_use blocks"):
+        ap.to_chat(_req(messages=[HI, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {}}]}]))
+
+
+def test_a_system_turn_among_the_messages_stays_where_it_stands():
+    """Claude Code sends them (it was a 400); the template joins them into the first where it must
+    (tests/unit/test_peer_parity.py)."""
+    system = {"role": "system", "content": [{"type": "text", "text": "Plan mode"}, {"type": "text", "text": "is off."}]}
+    assert _turns(HI, system, {"role": "user", "content": "go"}) == [
+        HI, {"role": "system", "content": "Plan mode\nis off."}, {"role": "user", "content": "go"}]
+    with pytest.raises(ValueError, match="a system turn has blocks of type tool_result"):
+        _req(messages=[HI, {"role": "system", "content": [{"type": "tool_result", "tool_use_id": "t"}]}])
+
+
+def test_an_image_in_a_tool_result_is_refused_for_what_it_is():
+    """(It was refused with pydantic's complaint that the content is not a string.)"""
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "a chart"}, image]}
+    with pytest.raises(ValueError) as caught:
+        _req(messages=[{"role": "user", "content": [result]}])
+    assert ("a tool_result's content has blocks of type image, which are not supported: the served model reads "
+            "text only") in str(caught.value) and "string_type" not in str(caught.value)
+
+
+@pytest.mark.parametrize("name,ok", [("a" * 64, True), ("a" * 65, False), ("a" * 128, False), ("get weather", False)])
+def test_a_tool_name_passes_both_apis_or_neither(name, ok):
+    """Anthropic's tool-use guide's ^[a-zA-Z0-9_-]{1,64}$ is OpenAI's: a name of 65-128 characters
+    passed the Messages model and then failed the chat request's pattern, by pattern."""
+    body = {"messages": [HI], "tools": [{"name": name, "input_schema": {"type": "object"}}]}
+    if ok:
+        assert ap.to_chat(_req(**body)).tools[0].function.name == name
+        return
+    with pytest.raises(ValueError, match=f"the tool name '{name}' \\({len(name)} characters\\) is not allowed"):
+        _req(**body)
+
+
+def test_a_tool_use_cut_short_has_an_empty_input_and_a_stop_sequence_wins():
+    cut = {"choices": [{"finish_reason": "length", "matched_stop": None, "message": {
+        "role": "assistant", "content": None,
+        "tool_calls": [{"id": "call_1", "function": {"name": "add", "arguments": '{"a": 1, "b'}}]}}], "usage": USAGE}
+    m = ap.whole_message(_req(messages=[HI]), "model", cut)
+    Message.model_validate(m)
+    assert m["stop_reason"] == "max_tokens" and m["content"][0]["input"] == {}
+    assert ap.stop_reason("stop", '"', ['"'], True) == ("stop_sequence", '"')  # it cut a forced call
+    assert ap.stop_reason("stop", 2, ['"'], True) == ("tool_use", None)
+
+
+def test_413_is_request_too_large():
+    assert ap.error_body("too big", 413)["error"]["type"] == "request_too_large"

@@ -55,3 +55,26 @@ def test_continue_final_message_leaves_the_assistant_turn_open(smol_tokenizer):
         chat_prompt(smol_tokenizer, asked)
     with pytest.raises(ValueError, match="must be a boolean"):
         chat_prompt(smol_tokenizer, CONVERSATION, template_kwargs={"continue_final_message": "yes"})
+
+
+def test_a_system_message_past_the_first_stays_where_it_stands_or_joins_the_first():
+    """System turns among the messages (Claude Code sends them to the Messages API; vLLM and SGLang
+    take them): kept in place where the template takes them (Qwen3's), so the conversation before
+    them is the prefix the radix cache holds; joined, in order, into the first where the template
+    takes a system message only first (Qwen3.5's raises, as vLLM's and SGLang's probes find)."""
+    from tiny_qwen3 import make_tokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "system", "content": "Plan mode is off."}, {"role": "user", "content": "Go"}]
+    tok = make_tokenizer()
+    assert chat_prompt(tok, messages).endswith(
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>system\nPlan mode is off.<|im_end|>\n"
+        "<|im_start|>user\nGo<|im_end|>\n<|im_start|>assistant\n")
+    tok.chat_template = ("{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+                         "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
+                         "[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]")
+    assert chat_prompt(tok, messages) == "[system] Be brief.\n\nPlan mode is off.\n[user] Hi\n[user] Go\n[assistant]"
+    assert chat_prompt(tok, messages[1:]) == "[system] Plan mode is off.\n[user] Hi\n[user] Go\n[assistant]"
+    tok.chat_template = "{{ raise_exception('Conversation roles must alternate.') }}"  # another refusal is still one
+    with pytest.raises(ValueError, match="cannot apply the chat template: Conversation roles must alternate"):
+        chat_prompt(tok, messages)

@@ -89,6 +89,51 @@ def test_other_call_styles_are_read():
     assert content == "Sure." and summary(calls) == [("add", {"a": 7})]
 
 
+@pytest.mark.parametrize("text", [
+    '{"name": {"first": "Ada"}, "born": 1815}',  # a JSON answer that has a "name" (once a 500: unhashable)
+    '<tool_call>{"name": ["add"], "arguments": {"a": 1}}</tool_call>',
+    '[{"name": "add", "arguments": {}}, {"name": {"add": 1}, "arguments": {}}]',
+    '<tool_call>{"name": "add", "arguments": {"a": NaN}}</tool_call>',  # no JSON answer carries NaN
+    '{"name": "add", "arguments": {"a": Infinity}}',
+    '<tool_call>{"name": "add", "arguments": {"a": "\\ud800"}}</tool_call>',  # a lone surrogate: no UTF-8
+    '<tool_call>{"name": "add", "arguments": "{\\"a\\": -Infinity}"}</tool_call>',
+    "[" * 100_000 + "]" * 100_000,  # deeper than the parser's recursion limit
+])
+def test_json_that_names_no_tool_or_no_json_answer_can_carry_is_content(text):
+    assert parse_auto(text, NAMES) == (text, [])
+    stream = AutoStream(NAMES, True)
+    sent = stream.feed(text)
+    assert (sent + stream.finish()[0], stream.finish()[1]) == (text, [])
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8)
+
+
+@settings(max_examples=500)
+@given(name=st.sampled_from(sorted(NAMES)) | _JSON, args=st.sampled_from([{"a": 1}, {}]) | _JSON,
+       key=st.sampled_from(["arguments", "parameters"]), as_string=st.booleans(),
+       form=st.sampled_from(["tagged", "bare", "array", "marker"]))
+def test_any_json_name_and_arguments_read_as_a_call_or_as_content(name, args, key, as_string, form):
+    """Whatever JSON a model puts under "name" and "arguments", the text is a call exactly when the
+    name is one of the tools (a string) and the arguments an object (or a JSON text of one), else
+    it is content; nothing raises, whole or streamed."""
+    obj = json.dumps({"name": name, key: json.dumps(args) if as_string else args})
+    text = {"tagged": f"Here. <tool_call>{obj}</tool_call>", "bare": obj, "array": f"[{obj}]",
+            "marker": f"<|python_tag|>{obj}"}[form]
+    content, calls = parse_auto(text, NAMES)
+    if isinstance(name, str) and name in NAMES and isinstance(args, dict):
+        assert summary(calls) == [(name, args)] and content == ("Here." if form == "tagged" else None)
+    else:
+        assert (content, calls) == (text, [])
+    stream = AutoStream(NAMES, True)
+    sent = stream.feed(text[:7]) + stream.feed(text[7:])
+    rest, streamed = stream.finish()
+    assert summary(streamed) == summary(calls) and (sent + rest).strip() == (content or "").strip()
+
+
 _PIECES = st.sampled_from([
     "Hello", " world", "\n", " ", "<", "<tool", "{", "}", "a < b", '"x"',
     block("add", {"a": 1, "b": 2}), block("get_weather", {"city": "Oslo", "unit": "f"}),
