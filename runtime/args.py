@@ -6,10 +6,13 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixlm.runtime.cores import check_bind
 from radixlm.runtime.reasoning import reasoning_format
+
+if TYPE_CHECKING:
+    from radixlm.runtime.model_config import ModelSource
 
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof")
 ATTENTION_BACKENDS = ("torch", "native", "triton")
@@ -79,6 +82,9 @@ class ServerArgs:
     lora_paths: list[str] | None = field(default=None, metadata={
         "help": "LoRA adapters (PEFT format) served beside the base model: name=path ... (or path: named by "
                 "its folder); a request names one (native lora_path, OpenAI model)"})
+    enable_runtime_lora_updates: bool = field(default=False, metadata={
+        "help": "let /load_lora_adapter and /unload_lora_adapter change the adapters served (a load reads the "
+                "folder a request names on this machine): off by default, as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING"})
     max_loras_per_batch: int = field(default=8, metadata={"help": "most distinct adapters in one step"})
     max_lora_rank: int = field(default=64, metadata={"help": "largest LoRA rank accepted"})
     max_loaded_loras: int = field(default=0, metadata={
@@ -163,8 +169,6 @@ class ServerArgs:
                 raise ValueError(f"--lora-paths names an adapter twice: {names}")
             if self.tp_size > 1:
                 raise ValueError("LoRA adapters run with --tp-size 1 only")
-            if self.kv_tier_path is not None:
-                raise ValueError("LoRA adapters and --kv-tier-path do not go together yet (the tier keys KV by tokens alone)")
         if self.max_loras_per_batch < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras_per_batch and max_lora_rank must be >= 1")
         if self.speculative_draft_model is not None and self.speculative == "off":
@@ -246,6 +250,10 @@ class ServerArgs:
     def lora_adapters(self) -> list[tuple[str, str]]:
         """(name, path) of each --lora-paths entry."""
         return lora_adapters(self.lora_paths)
+
+    def served_name(self, source: ModelSource) -> str:
+        """The name the model served from `source` answers to: --served-model-name, or its file's."""
+        return self.served_model_name or source.name
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:

@@ -238,7 +238,7 @@ def serve(args: ServerArgs, host: str = "127.0.0.1", port: int = 30000, api_key:
         from radixlm.runtime.server.http_server import MAX_REQUEST_BYTES, ServerState, create_app
 
         group.wait_ready()
-        model_name = args.served_model_name or resolve_model(args.model_path).name
+        model_name = args.served_name(resolve_model(args.model_path))
         info = {**group.info, "client_address": group.client_address}  # for local clients that attach (ZeroMQ)
         client = RuntimeClient(group.client_address)
         if max_queued_requests is not None:

@@ -4,7 +4,9 @@ The engine prepares requests (`tokenizer/prepare.py`, as the tokenizer process d
 scheduler, runs steps until its requests are done, and assembles their results
 (`tokenizer/output.py`); `choices` requests are scored as the served runtime scores them
 (`tokenizer/choices.py`). The served runtime puts each part in its own process; the engine's
-API stays the same. It owns only the stepping loop and the model it loaded.
+API stays the same. It owns only the stepping loop and the model it loaded; its control
+operations (adapters, weight updates, the cache) go through the scheduler process's own path
+(scheduler/control.py).
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from radixlm.runtime.constrained.grammar import compiler_factory
 from radixlm.runtime.messages import GenerateRequest, TokenizedRequest, TokenOutput
 from radixlm.runtime.model_config import resolve_model
 from radixlm.runtime.native import BadRequest, GenerateAPI
+from radixlm.runtime.scheduler.control import Control, Reply
 from radixlm.runtime.scheduler.scheduler import Scheduler
 from radixlm.runtime.tokenizer.choices import ChoiceScoring, answer, is_choices, record_score, scoring_requests
 from radixlm.runtime.tokenizer.loader import chat_prompt, load_tokenizer
 from radixlm.runtime.tokenizer.output import RequestOutput
 from radixlm.runtime.tokenizer.prepare import RequestPreparer
+from radixlm.runtime.worker.lora import LoraError
 from radixlm.runtime.worker.model_worker import ModelWorker
 
 
@@ -42,9 +46,9 @@ class LocalEngine(GenerateAPI):
                                        self.args.grammar_backend)
         self.scheduler = Scheduler(self.args, self.worker, decode=self._decode_plain if tokenizer else None,
                                    grammar=grammar)
+        self.control = Control(self.scheduler, self.args.served_name(self.source))
         self.prep = RequestPreparer(tokenizer, self.worker.config.vocab_size, self.worker.context_length,
-                                    self.worker.num_pages * self.worker.page_size, self.args.reasoning_parser,
-                                    list(self.worker.loras))
+                                    self.worker.num_pages * self.worker.page_size, self.args.reasoning_parser)
 
     def _decode_plain(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -124,31 +128,27 @@ class LocalEngine(GenerateAPI):
         self.scheduler.check_accounting()
 
     def flush_cache(self) -> bool:
-        return self.scheduler.flush_cache()
+        return self.control.flush_cache()["success"]
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
-        """Serve another PEFT adapter (lora.LoraError names what cannot be served)."""
-        self.worker.load_lora(lora_name, lora_path)
-        self.prep.loras.add(lora_name)
+        """Serve another PEFT adapter (LoraError names what cannot be served, or the name taken)."""
+        _adapter_changed(self.control.load_lora(lora_name, lora_path))
 
     def unload_lora_adapter(self, lora_name: str) -> None:
-        from radixlm.runtime.worker.lora import LoraError
-
-        if self.scheduler.lora_users(lora_name):
-            raise LoraError(f"adapter {lora_name!r} is in use")
-        self.worker.unload_lora(lora_name)
-        self.scheduler.kv.retire_lora_namespace(lora_name)
-        self.prep.loras.discard(lora_name)
+        """Stop serving an adapter (LoraError if none of that name is served, or requests run on it)."""
+        _adapter_changed(self.control.unload_lora(lora_name))
 
     def update_weights_from_disk(self, model_path: str) -> tuple[bool, str]:
         """As Engine's (between calls nothing runs here, so the update is made at once)."""
-        try:
-            source = self.worker.check_update(model_path)
-        except ValueError as e:
-            return False, str(e)
-        self.scheduler.update_weights(source)
-        return True, f"serving the weights of {source.path}"
+        reply = self.control.begin_update(model_path) or self.control.finish_update()
+        return reply["success"], reply["message"]
 
     def shutdown(self) -> None:
         """Stop the constraint compiler's processes (if constraints were used)."""
         self.scheduler.shutdown()
+
+
+def _adapter_changed(reply: Reply) -> None:
+    """An adapter op's refusal raised, as the in-process API reports it."""
+    if not reply["success"]:
+        raise LoraError(reply["message"])

@@ -36,6 +36,9 @@ class GenerateRequest:
     lora_path: str | None = None  # the LoRA adapter (by name) the request runs on; None: the base model
     return_prompt_token_ids: bool = False  # meta_info gets the prompt's ids (a stream's first output)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last this many ids (-1: as many as fit)
+    # the OpenAI or Anthropic API's `model`: the adapter of that name if one is served when the
+    # scheduler takes the request, else the base model (any other name means it)
+    model: str | None = None
 
 
 @dataclass
@@ -45,8 +48,10 @@ class AbortRequest:
 
 @dataclass
 class ControlRequest:
-    """Server-wide operations: flush_cache, server_info, model_info; tokenize and detokenize
-    (answered by the tokenizer process, `args` their input)."""
+    """Server-wide operations: model_info, tokenize and detokenize (answered by the tokenizer
+    process, `args` their input); the rest by the scheduler's control path (scheduler/control.py:
+    load_lora, unload_lora, lora_adapters, update_weights, flush_cache, server_info,
+    check_accounting, dashboard)."""
 
     rid: str
     op: str
@@ -99,7 +104,8 @@ class TokenizedRequest:
     # constraint_key of sampling_params) or None: worked out once, by prepare, and carried
     constraint: tuple[str, str] | None = CONSTRAINT_NOT_GIVEN
     embed: str | None = None  # the prompt's hidden states pooled ("last", "mean") instead of an output
-    lora_path: str | None = None  # a served LoRA adapter's name (checked by prepare)
+    lora_path: str | None = None  # a LoRA adapter's name (the scheduler refuses one it does not serve)
+    model: str | None = None  # GenerateRequest's: an adapter's name, or any other (the base model)
 
     def __post_init__(self) -> None:
         if isinstance(self.constraint, list):  # JSON has no tuples (ipc); a key must be hashable

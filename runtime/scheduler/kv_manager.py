@@ -20,6 +20,10 @@ from radixlm.runtime.utils import ragged_arange
 
 log = logging.getLogger(__name__)
 
+# The radix cache's keys of a LoRA adapter's requests begin at a multiple of this (past every
+# token id): each adapter's namespace (`KVManager.lora_namespace`)
+LORA_KEYS = 1 << 32
+
 
 def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
@@ -93,8 +97,8 @@ class KVManager:
             self._keep = self.window + rollback - 1  # the last positions dropping leaves bound
         else:
             self.allocator = PageAllocator(num_pages, page_size, device)
-        self.cache: PrefixCache = (RadixCache(self.allocator, continuations, tier.save if tier else None) if use_radix
-                                   else NoPrefixCache(self.allocator))
+        self.cache: PrefixCache = (RadixCache(self.allocator, continuations, self._save_to_tier if tier else None)
+                                   if use_radix else NoPrefixCache(self.allocator))
         self._offsets = torch.arange(page_size, device=device)
         self._namespaces: dict[str, int] = {}  # LoRA adapter -> where its keys begin (past every token id)
         self._admitted = [0, 0]  # tokens of the requests admitted since `take_admitted`, and the cached ones
@@ -104,8 +108,15 @@ class KVManager:
         """The offset of an adapter's keys in the radix cache: a range of 2^32 of its own, so that a
         prefix computed under one adapter is never matched under another or the base model."""
         if name not in self._namespaces:
-            self._namespaces[name] = self._next_namespace = self._next_namespace + (1 << 32)
+            self._namespaces[name] = self._next_namespace = self._next_namespace + LORA_KEYS
         return self._namespaces[name]
+
+    def _save_to_tier(self, tokens: list[int], slots: torch.Tensor, start: int) -> None:
+        """An evicted prefix to the tier, unless it was computed under an adapter: a namespace is
+        this process's own numbering (the same keys may name another adapter after a restart),
+        so adapters' KV stays in the pool alone."""
+        if tokens[0] < LORA_KEYS:
+            self.tier.save(tokens, slots, start)
 
     def retire_lora_namespace(self, name: str) -> None:
         """An adapter unloaded: an adapter loaded later under its name gets a namespace of its own
@@ -183,7 +194,7 @@ class KVManager:
         pages of its own as if it had prefilled them (admission counted those pages with its
         prompt's); the tree takes them after the step like any prefill. Returns the tokens loaded."""
         tier = self.tier
-        if tier is None:
+        if tier is None or req.key_offset:  # (an adapter's KV is never in the tier: `_save_to_tier`)
             return 0
         limit = self._match_limit(req)
         if limit // tier.block_tokens * tier.block_tokens <= req.cached_len:

@@ -50,7 +50,7 @@ class Req:
         self.top_logprobs_num = tr.top_logprobs_num
         self.logprob_start_len = tr.logprob_start_len
         self.embed = tr.embed  # "last" / "mean": an embedding request (no output)
-        self.lora = tr.lora_path  # its LoRA adapter's name (None: the base model)
+        self.lora: str | None = None  # its LoRA adapter's name (None: the base model), set by the scheduler
         # its prefixes' keys in the radix cache: a LoRA request's tokens moved to a range of their
         # own per adapter (KVManager.lora_namespace), so no prefix is shared across adapters
         self.key_offset = 0

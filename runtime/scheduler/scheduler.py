@@ -137,15 +137,17 @@ class Scheduler:
     def add_request(self, tr: TokenizedRequest) -> None:
         """Queue a request. The front doors checked it (tokenizer/prepare.py, the one place a request
         is checked, and the tokenizer process or LocalEngine for ids in flight); here its invariants
-        are asserted, not checked again. BadRequest only when constrained decoding cannot start."""
+        are asserted, not checked again. BadRequest only for what the scheduler alone knows: its
+        adapter is not served (any more: `lora_adapter`), or constrained decoding cannot start."""
+        lora = self.lora_adapter(tr)
         ids, params = tr.input_ids, tr.sampling_params
         assert tr.rid not in self._live, f"request id {tr.rid!r} is already in flight"
         assert ids and 0 <= min(ids) and max(ids) < self.worker.config.vocab_size, f"{tr.rid}: ids outside the vocabulary"
         assert len(ids) + params.max_new_tokens <= self.context_length, f"{tr.rid}: does not fit the context"
         assert pages_for(len(ids), self.kv.page_size) <= self.kv.num_pages, f"{tr.rid}: the prompt outgrows the pool"
         req = Req(tr, self._arrivals)
-        if req.lora is not None:
-            req.key_offset = self.kv.lora_namespace(req.lora)
+        if lora is not None:
+            req.lora, req.key_offset = lora, self.kv.lora_namespace(lora)
         req.grammar_key = tr.constraint  # worked out once, by prepare
         if req.grammar_key is CONSTRAINT_NOT_GIVEN:  # a request made by hand (tests, benchmarks)
             req.grammar_key = constraint_key(tr.sampling_params)
@@ -208,7 +210,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self.pending or self._in_flight)
+        return bool(self.waiting or self.running or self.chunked or self.pending or self._in_flight or self._ended)
 
     @property
     def busy(self) -> bool:
@@ -232,6 +234,18 @@ class Scheduler:
             select.select([fd], [], [], timeout)
             self.grammar.drain_ready()
 
+    def lora_adapter(self, tr: TokenizedRequest) -> str | None:
+        """The adapter a request runs on, among those served now (the worker's table, which only
+        control.py changes, between steps): the one its `lora_path` names (BadRequest if none of
+        that name is served: it may have been unloaded since the request was sent), else the one
+        its OpenAI `model` names, if served (any other name means the base model: None)."""
+        served = self.worker.loras
+        if tr.lora_path is None:
+            return tr.model if tr.model in served else None
+        if tr.lora_path not in served:
+            raise BadRequest(f"unknown LoRA adapter {tr.lora_path!r} (served: {', '.join(sorted(served)) or 'none'})")
+        return tr.lora_path
+
     def lora_users(self, name: str) -> int:
         """How many requests not yet ended run on the LoRA adapter `name`."""
         return sum(r.lora == name for r in self._live.values())
@@ -244,6 +258,20 @@ class Scheduler:
     @property
     def num_requests(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.pending) + (self.chunked is not None)
+
+    def settle(self) -> None:
+        """Take back the step in flight (overlap.py), if any: until the next `step`, nothing reads
+        the worker's state, which may then change (control.py: adapters loaded and unloaded). Its
+        outputs come with the next `step`."""
+        if self._in_flight is not None:
+            launched, self._in_flight = self._in_flight, None
+            outputs = self._take_back(launched)  # (it takes `_ended` into its outputs)
+            self._ended.extend(outputs)
+
+    def abort_all(self) -> None:
+        """End every request not yet ended; their final outputs come with the next `step`."""
+        for rid in list(self._live):
+            self._ended.append(self.abort(rid))
 
     def step(self) -> list[TokenOutput]:
         """Run one batch; returns the outputs of every request that advanced. Two loops side by

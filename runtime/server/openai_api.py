@@ -31,15 +31,18 @@ from radixlm.runtime.server.sse import sse, sse_response
 
 
 def add_openai_routes(app: FastAPI, state: ServerState) -> None:
-    # One model is served, so a request's `model` is not checked (as SGLang does): any name means it.
+    # One model is served, so a request's `model` is not checked (as SGLang does): any name means it,
+    # unless it names a LoRA adapter served (the scheduler decides when it takes the request)
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [_model_card(state)] + [_adapter_card(state, name) for name in state.loras]}
+        adapters = await state.lora_adapters()
+        return {"object": "list", "data": [_model_card(state)] + [_adapter_card(state, n, p) for n, p in adapters.items()]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict:
-        if model in state.loras:
-            return _adapter_card(state, model)
+        adapters = await state.lora_adapters()
+        if model in adapters:
+            return _adapter_card(state, model, adapters[model])
         if model != state.model_name:
             raise HTTPError(f"model {model!r} does not exist; this server serves {state.model_name!r}", 404)
         return _model_card(state)
@@ -71,7 +74,7 @@ async def _run(request: Request, state: ServerState, body: dict[str, Any], req: 
                build: Callable[[list[dict[str, Any]], str], dict[str, Any]], vllm: VllmOptions,
                tools: ToolReader | None = None, reasoning: ReasoningReader | None = None) -> Response:
     """Run a converted request: stream chunks, or wait for every result and `build` the answer."""
-    reqs, _ = native_requests({**body, "lora_path": state.lora_for(req.model)})
+    reqs = for_model(native_requests(body)[0], req.model)
     rid = new_request_id()
     if req.stream:
         return await sse_response(_stream(state, reqs, req, rid, chat, vllm, tools, reasoning))
@@ -106,7 +109,7 @@ class ChatRun:
         parser = state.server_args.get("reasoning_parser")
         self.state = state
         body = chat_body(chat, reasoning_format(parser) if parser else None)
-        self.reqs, _ = native_requests({**body, "lora_path": state.lora_for(chat.model)})
+        self.reqs = for_model(native_requests(body)[0], chat.model)
         self.tools, self.reasoning = ToolReader.of(chat, unbegun_call=False), ReasoningReader.of(chat, parser)
 
     def choice_stream(self) -> ChoiceStream:
@@ -138,9 +141,17 @@ def _model_card(state: ServerState) -> dict[str, Any]:
             "max_model_len": state.info.get("context_length")}
 
 
-def _adapter_card(state: ServerState, name: str) -> dict[str, Any]:
+def _adapter_card(state: ServerState, name: str, path: str) -> dict[str, Any]:
     """A LoRA adapter as vLLM lists one: its own id, the base model as parent."""
-    return {**_model_card(state), "id": name, "root": state.loras[name], "parent": state.model_name}
+    return {**_model_card(state), "id": name, "root": path, "parent": state.model_name}
+
+
+def for_model(reqs: list[GenerateRequest], model: str | None) -> list[GenerateRequest]:
+    """The requests of an OpenAI or Anthropic body that names `model`: on the adapter of that
+    name if one is served when the scheduler takes them, else on the base model."""
+    for r in reqs:
+        r.model = model
+    return reqs
 
 
 def _vllm_options(req: CompletionRequest | ChatCompletionRequest, echo: str | None = None) -> VllmOptions:

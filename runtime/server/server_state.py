@@ -10,7 +10,6 @@ import asyncio
 import time
 from typing import Any, AsyncIterator, Callable
 
-from radixlm.runtime.args import lora_adapters
 from radixlm.runtime.client import RuntimeClient
 from radixlm.runtime.messages import ClientOutput, GenerateRequest
 from radixlm.runtime.native import native_result
@@ -32,11 +31,10 @@ class ServerState:
         self.metrics = Metrics()
         client.on_finish = self.metrics.observe
         self.dead: str | None = None  # set by the watchdog when a runtime process dies
-        self.loras = dict(lora_adapters(server_args.get("lora_paths")))  # LoRA adapters served: name -> path
 
-    def lora_for(self, model: str | None) -> str | None:
-        """The adapter an OpenAI or Anthropic request names as its `model` (None: the base model)."""
-        return model if model in self.loras else None
+    async def lora_adapters(self) -> dict[str, str]:
+        """The LoRA adapters served now, name -> folder, as their one owner (the scheduler) says."""
+        return (await self.client.control("lora_adapters"))["adapters"]
 
 
 async def gather_outputs(client: RuntimeClient, reqs: list[GenerateRequest]) -> list[ClientOutput]:

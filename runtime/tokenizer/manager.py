@@ -79,7 +79,6 @@ class TokenizerManager:
         self.in_flight: dict[str, _InFlight] = {}
         self.pending_control: dict[str, bytes] = {}
         self.pending_updates: dict[str, str] = {}  # weight updates asked for: their model_path
-        self.pending_loras: dict[str, tuple[str, str]] = {}  # adapters (un)loading: (op, name)
         self.choice_groups: dict[str, ChoiceGroup] = {}
 
     def ready_info(self) -> dict:
@@ -92,7 +91,7 @@ class TokenizerManager:
         assert isinstance(limits, SchedulerLimits), limits
         self.vocab_size, self.context_length = limits.vocab_size, limits.context_length
         self.prep = RequestPreparer(self.tokenizer, self.vocab_size, self.context_length, limits.kv_pool_tokens,
-                                    self.args.reasoning_parser, [name for name, _ in self.args.lora_adapters()])
+                                    self.args.reasoning_parser)
         poller = zmq.Poller()
         poller.register(self.clients, zmq.POLLIN)
         poller.register(self.from_scheduler, zmq.POLLIN)
@@ -183,8 +182,6 @@ class TokenizerManager:
         self.pending_control[msg.rid] = client
         if msg.op == "update_weights":  # model_info names the weights served once it succeeds
             self.pending_updates[msg.rid] = (msg.args or {}).get("model_path")
-        if msg.op in ("load_lora", "unload_lora"):  # requests may name it (or not) once it succeeds
-            self.pending_loras[msg.rid] = (msg.op, (msg.args or {}).get("lora_name"))
         self.to_scheduler.send(ipc.encode(msg))
 
     def _tokens(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -249,9 +246,6 @@ class TokenizerManager:
             path = self.pending_updates.pop(msg.rid, None)
             if path is not None and msg.data.get("success"):
                 self.args.model_path = path
-            op, name = self.pending_loras.pop(msg.rid, (None, None))
-            if op is not None and msg.data.get("success"):
-                (self.prep.loras.add if op == "load_lora" else self.prep.loras.discard)(name)
             client = self.pending_control.pop(msg.rid, None)
             if client is not None:
                 self._reply(client, msg)

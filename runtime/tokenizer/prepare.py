@@ -8,7 +8,8 @@ many as fit") and checked against the vocabulary and the room the prompt leaves,
 options checked against the prompt, and the request's constraint key and reasoning gate worked out
 once. Refusals raise `BadRequest` (or `SamplingParamsError`), both ValueErrors whose message names
 what was wrong. This is the one place a request is checked: the scheduler asserts what a prepared
-request satisfies and trusts it (`Scheduler.add_request`).
+request satisfies and trusts it (`Scheduler.add_request`), all but what only it knows (whether the
+LoRA adapter a request names is served when the request arrives).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class RequestPreparer:
     """The served model's facts that requests are checked against, and `prepare`."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, context_length: int, kv_pool_tokens: int,
-                 reasoning_parser: str | None = None, loras: list[str] | None = None) -> None:
+                 reasoning_parser: str | None = None) -> None:
         """`tokenizer`: None without one (--skip-tokenizer-init: only input_ids are taken);
         `context_length`: the served one (the model's, capped by --context-length); `kv_pool_tokens`:
         the KV cache pool's size (the scheduler's `SchedulerLimits`)."""
@@ -40,7 +41,6 @@ class RequestPreparer:
         self.context_length = context_length
         self.kv_pool_tokens = kv_pool_tokens
         self.reasoning_end_ids = end_tag_ids(reasoning_parser, tokenizer)
-        self.loras = set(loras or [])  # the LoRA adapters served, by name
 
     def prepare(self, req: GenerateRequest) -> TokenizedRequest:
         """The request, tokenized and checked (not a `choices` request: see tokenizer/choices.py)."""
@@ -48,9 +48,6 @@ class RequestPreparer:
         if req.embed not in (None, *POOLINGS):
             raise BadRequest(f"pooling must be one of {', '.join(POOLINGS)}, not {req.embed!r}")
         params = self.sampling_params(req, len(prompt_ids))
-        if req.lora_path is not None and req.lora_path not in self.loras:
-            served = ", ".join(sorted(self.loras)) or "none"
-            raise BadRequest(f"unknown LoRA adapter {req.lora_path!r} (served: {served})")
         constraint = constraint_key(params)
         if constraint is not None and self.tokenizer is None:
             raise BadRequest("constrained decoding (regex, json_schema, ebnf) needs a tokenizer")
@@ -59,7 +56,7 @@ class RequestPreparer:
         except ValueError as e:
             raise BadRequest(str(e)) from None
         return TokenizedRequest(req.rid, prompt_ids, params, req.return_logprob, req.logprob_start_len,
-                                req.top_logprobs_num, gate, constraint, req.embed, req.lora_path)
+                                req.top_logprobs_num, gate, constraint, req.embed, req.lora_path, req.model)
 
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
         """The prompt's token ids (text and messages tokenized), checked."""

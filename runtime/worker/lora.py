@@ -24,7 +24,7 @@ import re
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -36,6 +36,8 @@ _SITES = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 
           "o_proj": ("self_attn.o_proj", 0), "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
           "down_proj": ("mlp.down_proj", 0)}
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+WEIGHTS_FILE = "adapter_model.safetensors"
+_LFS_POINTER = b"version https://git-lfs.github.com/spec/"  # what a clone without git-lfs has in its place
 
 
 class LoraError(ValueError):
@@ -52,6 +54,7 @@ class LoraAdapter:
     rank: int  # the largest of its modules'
     pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # site -> (A [R, in], B [out, R])
     uid: int = field(default_factory=lambda: next(_serial))  # this reading of it (the stacks' key)
+    last_used: int = 0  # when a step last used it: ModelWorker's LRU order (--max-loaded-loras)
 
 
 def sites(model: nn.Module) -> dict[str, nn.Module]:
@@ -67,28 +70,15 @@ def sites(model: nn.Module) -> dict[str, nn.Module]:
 
 def load_adapter(name: str, path: str, model: nn.Module, max_rank: int) -> LoraAdapter:
     """Read a PEFT LoRA adapter and lay it out for `model`'s projections; LoraError names what
-    cannot be served (another model's shapes, a rank above `max_rank`, DoRA, biases, modules
-    outside attention and the MLP)."""
-    from safetensors.torch import load_file
-
-    config_path = os.path.join(path, "adapter_config.json")
-    weights_path = os.path.join(path, "adapter_model.safetensors")
-    if not os.path.isfile(config_path) or not os.path.isfile(weights_path):
-        raise LoraError(f"{path!r} is not a PEFT adapter (adapter_config.json and adapter_model.safetensors)")
-    with open(config_path) as f:
-        config = json.load(f)
-    if config.get("peft_type", "LORA") != "LORA":
-        raise LoraError(f"adapter {name!r} is a {config.get('peft_type')} adapter, not LoRA")
-    for key, bad in (("use_dora", True), ("fan_in_fan_out", True), ("lora_bias", True)):
-        if config.get(key) == bad:
-            raise LoraError(f"adapter {name!r}: {key} is not supported")
-    if config.get("bias", "none") != "none" or config.get("modules_to_save"):
-        raise LoraError(f"adapter {name!r} trains biases or whole modules (bias, modules_to_save): not supported")
-    tensors = load_file(weights_path)
+    cannot be served (files that are not an adapter's, another model's shapes, a rank above
+    `max_rank`, DoRA, biases, modules outside attention and the MLP)."""
+    config = _read_config(name, path)
+    tensors = _read_tensors(name, path)
     targets = sites(model)
-    alpha, alpha_pattern = float(config.get("lora_alpha", 8)), config.get("alpha_pattern") or {}
+    alpha_of = _alphas(name, config)
     rslora = bool(config.get("use_rslora"))
     found: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    modules: dict[tuple[str, int], str] = {}  # (site, block) -> the module's name in the HF model (PEFT's)
     for key, tensor in tensors.items():
         m = _KEY.match(key)
         if m is None or m.group(3) not in _SITES:
@@ -98,17 +88,22 @@ def load_adapter(name: str, path: str, model: nn.Module, max_rank: int) -> LoraA
         if site not in targets:
             raise LoraError(f"adapter {name!r} targets {site}, which this model does not have")
         found.setdefault((site, block), {})[m.group(4)] = tensor.float()
+        modules[site, block] = f"model.layers.{m.group(1)}.{m.group(2)}.{m.group(3)}"
     adapter = LoraAdapter(name, path, 0)
     by_site: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
     for (site, block), pair in sorted(found.items()):
         if set(pair) != {"A", "B"}:
             raise LoraError(f"adapter {name!r}: {site} has lora_A or lora_B alone")
         a, b = pair["A"], pair["B"]
+        if a.ndim != 2 or b.ndim != 2:
+            raise LoraError(f"adapter {name!r}: {modules[site, block]}'s lora_A and lora_B must be matrices, "
+                            f"not of shapes {tuple(a.shape)} and {tuple(b.shape)}")
         r = a.shape[0]
+        if r < 1:
+            raise LoraError(f"adapter {name!r}: {modules[site, block]} has rank 0")
         if r > max_rank:
             raise LoraError(f"adapter {name!r} has rank {r}, above --max-lora-rank {max_rank}")
-        module_alpha = next((float(v) for k, v in alpha_pattern.items() if re.search(k, site)), alpha)
-        scale = module_alpha / (math.sqrt(r) if rslora else r)
+        scale = alpha_of(modules[site, block]) / (math.sqrt(r) if rslora else r)
         by_site.setdefault(site, []).append((block, a, b * scale))
         adapter.rank = max(adapter.rank, r)
     for site, blocks in by_site.items():
@@ -132,6 +127,74 @@ def load_adapter(name: str, path: str, model: nn.Module, max_rank: int) -> LoraA
     if not adapter.pairs:
         raise LoraError(f"adapter {name!r} has no LoRA tensors")
     return adapter
+
+
+def _read_config(name: str, path: str) -> dict[str, Any]:
+    """The adapter's `adapter_config.json`, checked for what this server cannot serve."""
+    config_path = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(config_path) or not os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
+        raise LoraError(f"{path!r} is not a PEFT adapter (adapter_config.json and {WEIGHTS_FILE})")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:  # (a JSONDecodeError and a UnicodeDecodeError are ValueErrors)
+        raise LoraError(f"adapter {name!r}: adapter_config.json is not readable JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise LoraError(f"adapter {name!r}: adapter_config.json holds a {type(config).__name__}, not an object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoraError(f"adapter {name!r} is a {config.get('peft_type')} adapter, not LoRA")
+    for key, bad in (("use_dora", True), ("fan_in_fan_out", True), ("lora_bias", True)):
+        if config.get(key) == bad:
+            raise LoraError(f"adapter {name!r}: {key} is not supported")
+    if config.get("bias", "none") != "none" or config.get("modules_to_save"):
+        raise LoraError(f"adapter {name!r} trains biases or whole modules (bias, modules_to_save): not supported")
+    return config
+
+
+def _read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    weights_path = os.path.join(path, WEIGHTS_FILE)
+    try:
+        return load_file(weights_path)
+    except (OSError, SafetensorError) as e:
+        hint = (": it is a git-LFS pointer, not the weights (fetch them with `git lfs pull`)"
+                if _is_lfs_pointer(weights_path) else "")
+        raise LoraError(f"adapter {name!r}: {WEIGHTS_FILE} cannot be read ({e}){hint}") from None
+
+
+def _is_lfs_pointer(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(_LFS_POINTER)) == _LFS_POINTER
+    except OSError:
+        return False
+
+
+def _alphas(name: str, config: dict[str, Any]) -> Callable[[str], float]:
+    """Each module's alpha as PEFT finds it (peft's `get_pattern_key`): the value of the first
+    `alpha_pattern` key that matches the module's name (e.g. "model.layers.3.self_attn.q_proj")
+    whole or as its dotted tail, else `lora_alpha`."""
+    patterns = config.get("alpha_pattern") or {}
+    if not isinstance(patterns, dict):
+        raise LoraError(f"adapter {name!r}: alpha_pattern must be an object (a module pattern -> its alpha)")
+    try:
+        default = float(config.get("lora_alpha", 8))
+        alphas = [(key, float(value)) for key, value in patterns.items()]
+    except (TypeError, ValueError) as e:
+        raise LoraError(f"adapter {name!r}: lora_alpha and alpha_pattern's values must be numbers ({e})") from None
+    compiled = []
+    for key, value in alphas:
+        try:
+            compiled.append((re.compile(rf"(.*\.)?({key})$"), value))
+        except re.error as e:
+            raise LoraError(f"adapter {name!r}: alpha_pattern key {key!r} is not a regular expression ({e})") from None
+
+    def alpha_of(module: str) -> float:
+        return next((value for pattern, value in compiled if pattern.match(module)), default)
+
+    return alpha_of
 
 
 class LoraStep:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -117,10 +118,10 @@ class ModelWorker:
                                     self.attn_backend)
         self.graph_runner = self._graph_runner()
         self.native_decoder = NativeDecoder.build(self)
-        self.loras: dict[str, lora.LoraAdapter] = {}  # by name
+        # the adapters served, by name: the one table of them, changed by control.py between steps
+        self.loras: dict[str, lora.LoraAdapter] = {}
         self._lora_stacks: dict = {}  # the last step's set of adapters' stacked pairs, per projection
-        for name, path in args.lora_adapters():
-            self.load_lora(name, path)
+        self._lora_clock = itertools.count(1)  # each use of an adapter's turn (LoraAdapter.last_used)
         self.sampler = Sampler()
         self._sampled = torch.zeros(1, dtype=torch.int64, device=self.device)  # the latest step's tokens
         torch.manual_seed(args.random_seed)
@@ -442,35 +443,32 @@ class ModelWorker:
     # ---- LoRA adapters -----------------------------------------------------------------------
 
     def load_lora(self, name: str, path: str) -> None:
-        """Serve the PEFT adapter at `path` as `name` (lora.LoraError names what cannot be)."""
-        if name in self.loras:
-            raise lora.LoraError(f"an adapter named {name!r} is already loaded")
-        if not isinstance(name, str) or not name or name == self.args.served_model_name:
-            raise lora.LoraError(f"{name!r} cannot name an adapter")
+        """Serve the PEFT adapter at `path` as `name`, a name not yet served (control.py checks
+        it); lora.LoraError names what cannot be served. Only between steps."""
         if not isinstance(path, str) or not os.path.isdir(path):
             raise lora.LoraError(f"adapter {name!r}: {path!r} is not a folder")
         if self.tp.size > 1:
             raise lora.LoraError("LoRA adapters run with --tp-size 1 only")
-        if self.args.kv_tier_path is not None:
-            raise lora.LoraError("LoRA adapters and --kv-tier-path do not go together yet (the tier keys KV by tokens alone)")
         if any(cfg.sparse(i) for cfg in [self.config] for i in range(cfg.num_layers)):
             raise lora.LoraError(f"LoRA adapters on a mixture of experts ({self.config.architecture}) are not supported")
         self.loras[name] = self._read_lora(name, path)
-        self._resident_loras([])  # within --max-loaded-loras
+        self._resident_loras([name])  # the most recently used; the others within --max-loaded-loras
 
     def _resident_loras(self, names: list[str]) -> list[lora.LoraAdapter]:
         """The step's adapters, in memory: one dropped by the LRU (--max-loaded-loras) is read
-        again; then the least recently used beyond the limit, none of this step's, are dropped."""
+        again; then the least recently used beyond the limit, none of this step's, are dropped.
+        NOTE: under overlap this runs on the step thread while the scheduler reads the table's
+        names (Scheduler.lora_adapter): it replaces adapters, never adds or removes a name."""
         adapters = []
         for name in names:
-            adapter = self.loras.pop(name)
+            adapter = self.loras[name]
             if not adapter.pairs:
-                adapter = self._read_lora(name, adapter.path)
-            self.loras[name] = adapter  # the most recently used last
+                self.loras[name] = adapter = self._read_lora(name, adapter.path)
+            adapter.last_used = next(self._lora_clock)
             adapters.append(adapter)
         limit = self.args.max_loaded_loras
         if limit:
-            resident = [a for a in self.loras.values() if a.pairs]
+            resident = sorted((a for a in self.loras.values() if a.pairs), key=lambda a: a.last_used)
             for adapter in resident[: max(len(resident) - limit, 0)]:
                 if adapter.name not in names:
                     adapter.pairs = {}
@@ -484,8 +482,7 @@ class ModelWorker:
         return adapter
 
     def unload_lora(self, name: str) -> None:
-        if name not in self.loras:
-            raise lora.LoraError(f"no adapter named {name!r} is loaded")
+        """Stop serving adapter `name` (one served, that no request runs on). Only between steps."""
         del self.loras[name]
         self._lora_stacks.clear()  # (stacks of sets with it would hold its memory)
 

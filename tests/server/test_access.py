@@ -18,6 +18,8 @@ class StandInClient:
     async def control(self, op: str) -> dict:
         if op == "flush_cache":
             raise KeyError("a bug")
+        if op == "lora_adapters":  # (/v1/models lists them)
+            return {"adapters": {}}
         return {"op": op}
 
 

@@ -38,6 +38,10 @@ class StandInClient:
                     for j, t in enumerate(req.input_ids)]
             yield ClientOutput(req.rid, text, [10 + i], meta, finished=last)
 
+    async def control(self, op, args=None):
+        assert op == "lora_adapters", op  # (/v1/models lists them; no other op is asked)
+        return {"adapters": {}}
+
     async def generate(self, req):
         outs = [out async for out in self.stream(req)]
         return ClientOutput(req.rid, "".join(o.text for o in outs), [t for o in outs for t in o.token_ids],
