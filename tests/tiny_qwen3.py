@@ -28,15 +28,11 @@ def chat_template() -> str:
 
 
 def make_tokenizer(vocab_size: int = 400):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AddedToken, PreTrainedTokenizerFast
 
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(CORPUS * 4, trainer)
+    from tiny_tokenizers import train_bpe
+
+    bpe = train_bpe(SPECIAL, vocab_size, CORPUS)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
     tok.chat_template = chat_template()

@@ -17,7 +17,8 @@ LLAMA3_TEMPLATE = (
     "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
 
 
-def _bpe(special: list[str], vocab_size: int):
+def train_bpe(special: list[str], vocab_size: int, corpus: list[str] = CORPUS):
+    """A byte-level BPE trained on `corpus` here (nothing downloaded), `special` its first ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     bpe = Tokenizer(models.BPE())
@@ -25,7 +26,7 @@ def _bpe(special: list[str], vocab_size: int):
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(CORPUS * 4, trainer)
+    bpe.train_from_iterator(corpus * 4, trainer)
     return bpe
 
 
@@ -34,8 +35,8 @@ def llama3_tokenizer(vocab_size: int = 320):
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
-    bpe = _bpe(["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-               vocab_size)
+    bpe = train_bpe(["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+                    vocab_size)
     bpe.post_processor = processors.TemplateProcessing(
         single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
         special_tokens=[("<|begin_of_text|>", 0)])
@@ -49,7 +50,7 @@ def embedding_tokenizer(vocab_size: int = 320):
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
-    bpe = _bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], vocab_size)
+    bpe = train_bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"], vocab_size)
     bpe.post_processor = processors.TemplateProcessing(
         single="$A <|endoftext|>", pair="$A <|endoftext|> $B <|endoftext|>", special_tokens=[("<|endoftext|>", 0)])
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
