@@ -85,6 +85,7 @@ class FakeWorker:
         self.config = SimpleNamespace(eos_token_ids=[2], vocab_size=49152)
         self.num_pages, self.page_size = num_pages, 1
         self.req_to_token = ReqToTokenTable(1024, self.context_length, self.device)
+        self.loras: dict = {}  # the LoRA adapters served: none
 
     def forward(self, batch) -> WorkerOutput:
         return WorkerOutput(next_token_ids=[7] * len(batch.sample_rows))

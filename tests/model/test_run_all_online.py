@@ -49,13 +49,15 @@ def test_run_all_online_quick(tmp_path):
     assert "## Online" in text and "CPU: " in text and "- radixlm: `" in text
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith(tuple(f"| {w} |" for w in WORKLOADS))]
     assert sorted((row[0][2:], row[2]) for row in rows) == sorted(by), rows  # one table row per result
-    assert "- online no sharing, 32 streams, output tok/s vs llama.cpp: " in text
+    assert "- online no sharing, 32 streams, output tok/s vs llama.cpp" in text
     fp32_command = next(line for line in text.splitlines() if line.startswith("- radixlm fp32: `"))
     assert "--quantization none" in fp32_command  # the same server with fp32 weights, beside the default's
     assert "- online no sharing, 32 streams, output tok/s as served vs fp32 weights: " in text
     assert "not measured" not in text.split("as served vs fp32 weights: ")[1].splitlines()[0]
     if llama:
         assert "- llama.cpp: `" in text and "--no-repack" not in text  # its defaults, as released
-        assert "online no sharing, 32 streams, output tok/s vs llama.cpp: not measured" not in text
+        # which llama.cpp ran, beside each ratio against it (run_all.serving_llama_cpp)
+        assert "online no sharing, 32 streams, output tok/s vs llama.cpp (its defaults): " in text
+        assert "| radixlm / llama.cpp (its defaults) |" in text
     else:
         assert "no llama-server binary" in text

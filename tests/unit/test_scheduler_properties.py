@@ -55,6 +55,7 @@ class EchoWorker:
         self.broken: list[str] = []  # contexts found inconsistent, as attention would read them
         self.kv_pools = [ListPool(self.kv)]  # what a KV tier saves and loads
         self.sampled: list[int] = []  # the latest step's tokens: what an overlapped step's placeholders stand for
+        self.loras: dict = {}  # the LoRA adapters served: none
 
     def kv_identity(self) -> str:
         return f"echo, page {self.page_size}"
