@@ -272,9 +272,10 @@ def server(smol_tokenizer):
 
     # outlines: the server tests' exploding constraints ((a|b)*a(a|b){40}) are outlines-core's; the
     # default backend compiles them in milliseconds (tests/unit/test_grammar_backends.py and
-    # tests/model/test_constrained_backends.py cover it). 20 s: an ordinary JSON schema took outlines
-    # over 10 s on an AVX2-only CPU under load
-    srv = LiveServer("--constraint-timeout", "20", "--grammar-backend", "outlines")
+    # tests/model/test_constrained_backends.py cover it). 120 s: an ordinary JSON schema took outlines
+    # over 10 s on an AVX2-only CPU under load, and over 20 s on a loaded host (test_responses_api's
+    # json_schema format); the constraints that never finish go to compile_limit_server
+    srv = LiveServer("--constraint-timeout", "120", "--grammar-backend", "outlines")
     yield srv
     code = srv.stop()
     assert code == 0, srv.output()
@@ -287,7 +288,7 @@ COMPILE_LIMIT_S = 8
 def compile_limit_server():
     """A live server for the constraints that never finish compiling (outlines' DFA for
     (a|b)*a(a|b){40} has 2^41 states on any machine): a short --constraint-timeout, so each
-    such test waits 8 s, not the shared server's 20."""
+    such test waits 8 s, not the shared server's 120."""
     from server.conftest import LiveServer
 
     srv = LiveServer("--constraint-timeout", str(COMPILE_LIMIT_S), "--grammar-backend", "outlines")
