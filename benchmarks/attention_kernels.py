@@ -12,6 +12,11 @@ head, key) pair: its score and its weighted value).
    (--deterministic: each row bitwise itself alone) against the blocked one the default takes
    (`exact=False`: the rows of a set share the prompt's key blocks).
 
+3. Decode at other families' heads, fp16 pool: Gemma 2's (8 over 4 x 256, scores soft-capped at
+   50), gpt-oss's (64 over 8 x 64, a sink logit per head) and SmolLM2's plain ones, one row over
+   2,000 keys and 16 rows over 1,000 each (the exact kernel): the capped and sink layers must stay
+   on the vector paths, and the plain kernel must not pay for them.
+
     python benchmarks/attention_kernels.py            # about a minute
     python benchmarks/attention_kernels.py --quick    # three shapes, fp32 and fp16 (CI)
 """
@@ -106,6 +111,28 @@ def decode_table(paths: list[int], shapes: list[tuple[int, int, int]], kv_types:
                 f"{t * 1e6:.0f} us, {work / t / 1e9:.0f} GFLOP/s" for t in times) + " |")
 
 
+# (family, query heads, KV heads, head_dim, soft cap, sinks)
+FAMILY_HEADS = [("Gemma 2 2B", 8, 4, 256, 50.0, False), ("gpt-oss 20B", 64, 8, 64, 0.0, True),
+                ("SmolLM2 (plain)", HEADS, KV_HEADS, DIM, 0.0, False)]
+
+
+def family_table(paths: list[int], quick: bool) -> None:
+    print("\n| decode, fp16 pool | rows x keys | " + " | ".join(cpu.ISA_NAMES[i] for i in [0] + paths) + " |")
+    print("|---|---|" + "---|" * (len(paths) + 1))
+    kv = KV_DTYPES["fp16"]
+    for family, heads, kv_heads, d, softcap, sinks in FAMILY_HEADS:
+        for n, keys in ((1, 2000),) if quick else ((1, 2000), (16, 1000)):
+            slots = n * keys
+            k_pool, v_pool = kv.encode(torch.randn(kv_heads, slots, d)), kv.encode(torch.randn(kv_heads, slots, d))
+            q, table = torch.randn(n, heads * d), torch.randperm(slots).view(n, keys)
+            sink = torch.randn(heads) if sinks else None
+            times = [best_of(5, cpu.decode_attention, q, k_pool, v_pool, table, torch.arange(n), torch.full((n,), keys),
+                             d ** -0.5, isa, 0, softcap, sink, True) for isa in [0] + paths]
+            work = 4.0 * d * heads * keys * n
+            print(f"| {family} | {n} x {keys} | " + " | ".join(
+                f"{t * 1e3:.2f} ms, {work / t / 1e9:.0f} GFLOP/s" for t in times) + " |")
+
+
 def main() -> None:
     args = kernel_bench_args()
     print()
@@ -113,6 +140,7 @@ def main() -> None:
     kv_types = KV_TYPES[:2] if args.quick else KV_TYPES
     extend_table(paths, SHAPES[1:3] if args.quick else SHAPES, kv_types)
     decode_table(paths, DECODE_SHAPES[:1] if args.quick else DECODE_SHAPES, kv_types)
+    family_table(paths, args.quick)
 
 
 if __name__ == "__main__":

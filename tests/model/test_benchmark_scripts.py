@@ -59,6 +59,9 @@ def test_attention_kernels_quick():
     decode = re.findall(r"^\| 16, 1000 \+ 20 \| (fp32|fp16) \| (.+) \|$", done.stdout, re.M)  # exact, blocked: each path
     assert [kv for kv, _ in decode] == ["fp32", "fp16"], decode
     assert all(re.fullmatch(r"\d+ us, \d+ GFLOP/s", c.strip()) for _, cells in decode for c in cells.split("|")), decode
+    families = re.findall(r"^\| (Gemma 2 2B|gpt-oss 20B|SmolLM2 \(plain\)) \| 1 x 2000 \| (.+) \|$", done.stdout, re.M)
+    assert [f for f, _ in families] == ["Gemma 2 2B", "gpt-oss 20B", "SmolLM2 (plain)"], done.stdout  # capped, sinks, plain
+    assert all(re.fullmatch(r"[\d.]+ ms, \d+ GFLOP/s", c.strip()) for _, cells in families for c in cells.split("|"))
 
 
 def test_quant_kernels_quick():

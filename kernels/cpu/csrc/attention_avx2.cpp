@@ -92,11 +92,20 @@ namespace {
 // The exp of each score against its head's maximum and their sum, head by head, over a row's len
 // scores (head g's at scores + g * len): 8 scores a vector, then the rest one by one; a head's
 // sink (where it has one; its maximum is then no smaller) adds its term after the vectors'.
+// With a soft cap the scores come uncapped (the scoring loops carry no call to tanh: a call there
+// spills their accumulators, ~10% of the plain kernels): each is capped here first and its head's
+// maximum taken again over the capped scores, the values the portable path's scores have.
 template <int G>
-RADIXLM_AVX2 inline void softmax_heads(float* scores, int64_t len, const float* top, float* total,
-                                       const Logits& logits) {
+RADIXLM_AVX2 inline void softmax_heads(float* scores, int64_t len, float* top, float* total, const Logits& logits) {
   for (int g = 0; g < G; ++g) {
     float* sc = scores + g * len;
+    if (logits.softcap > 0) {
+      top[g] = logits.sink(g);
+      for (int64_t j = 0; j < len; ++j) {
+        sc[j] = logits.cap(sc[j]);
+        top[g] = max_score(top[g], sc[j]);
+      }
+    }
     const __m256 topv = _mm256_set1_ps(top[g]);
     __m256 sum = _mm256_setzero_ps();
     int64_t j = 0;
@@ -129,7 +138,7 @@ RADIXLM_AVX2 void decode_head(const float* q, int64_t head_dim, const KVLayer& k
       for (int u = 0; u < 4; ++u) acc[u] = _mm256_fmadd_ps(qv, load8<E>(key[u] + i), acc[u]);
     }
     for (int u = 0; u < 4; ++u) {
-      scores[j + u] = logits.cap(hsum(acc[u]) * keys.key_factor(slots[j + u], logits.scale));
+      scores[j + u] = hsum(acc[u]) * keys.key_factor(slots[j + u], logits.scale);
       top = max_score(top, scores[j + u]);
     }
   }
@@ -137,7 +146,7 @@ RADIXLM_AVX2 void decode_head(const float* q, int64_t head_dim, const KVLayer& k
     const typename E::T* key = keys.at(slots[j]);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < head_dim; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8<E>(key + i), acc);
-    scores[j] = logits.cap(hsum(acc) * keys.key_factor(slots[j], logits.scale));
+    scores[j] = hsum(acc) * keys.key_factor(slots[j], logits.scale);
     top = max_score(top, scores[j]);
   }
   softmax_heads<1>(scores, len, &top, &total, logits);
@@ -201,7 +210,7 @@ RADIXLM_AVX2 inline void weigh_values(const KVRows<E>& values, int64_t head_dim,
 }
 
 // Scores of G query heads (q_g at q + g * head_dim) against keys [a, b) of a row, scores[g * stride
-// + j], their running maxima in top: U keys at a time, G x U independent chains of multiply-adds
+// + j] (uncapped: softmax_heads caps them), their running maxima in top: U keys at a time, G x U independent chains of multiply-adds
 // (at most 12, in registers), where one key's G chains alone would wait on the multiply-add's
 // latency. Each key's score is the same chain whatever range or batch of keys it falls in.
 template <class E, int G>
@@ -225,7 +234,7 @@ RADIXLM_AVX2 inline void score_keys(const float* q, int64_t head_dim, const KVRo
     for (int u = 0; u < U; ++u) {
       const float factor = keys.key_factor(slots[j + u], logits.scale);
       for (int g = 0; g < G; ++g) {
-        const float s = logits.cap(hsum(acc[u][g]) * factor);
+        const float s = hsum(acc[u][g]) * factor;
         scores[g * stride + j + u] = s;
         top[g] = max_score(top[g], s);
       }
@@ -241,7 +250,7 @@ RADIXLM_AVX2 inline void score_keys(const float* q, int64_t head_dim, const KVRo
     }
     const float factor = keys.key_factor(slots[j], logits.scale);
     for (int g = 0; g < G; ++g) {
-      const float s = logits.cap(hsum(acc[g]) * factor);
+      const float s = hsum(acc[g]) * factor;
       scores[g * stride + j] = s;
       top[g] = max_score(top[g], s);
     }
