@@ -6,12 +6,17 @@
 1. correctness at real sizes: extend and decode against their torch references (bf16, paged, GQA);
 2. decode attention time (batch x context, Llama-3-8B heads) as achieved bytes/s against a
    device-to-device copy measured in the same run;
-3. extend attention time as FLOP/s against torch's own SDPA (flash) on the same causal shapes;
+3. extend attention time as FLOP/s against torch's own SDPA (flash) on the same causal shapes,
+   and the best of other block shapes, warps and stages (EXTEND_CONFIGS) beside the default;
 4. end to end: a random-weight Llama-3-8B-shaped model in bf16 (`load_format=dummy`), output tokens/s;
-5. decode tokens/s at batch 1, 32 and 128 with CUDA graphs on and off and overlap scheduling on and
+5. a profile (torch.profiler) of 20 decode steps at batch 1 and at 128 and of one prefill-heavy
+   step, on the engine's defaults: host ms a step, the GPU's busy ms a step and its idle share of
+   the window, host-device syncs and `.item()` reads a step, and the top kernels by GPU time (in
+   the dry run the top-level torch ops on the CPU stand in for kernels);
+6. decode tokens/s at batch 1, 32 and 128 with CUDA graphs on and off and overlap scheduling on and
    off (one copy of the weights; in the dry run "graphs on" runs the graph runner's static padded
    batches eagerly, as nothing captures on a CPU);
-6. the same decode workload through `radixlm bench serve` against `radixlm serve` (graphs and
+7. the same decode workload through `radixlm bench serve` against `radixlm serve` (graphs and
    overlap at their defaults).
 Only widely available APIs: `triton.testing.do_bench`, `torch.nn.functional.scaled_dot_product_attention`.
 """
@@ -33,13 +38,19 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # after site-packages: kernels/ must not shadow the installed `kernels`
 from radixlm.kernels.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
-from radixlm.kernels.extend_attention import extend_attention, extend_attention_reference  # noqa: E402
+from radixlm.kernels.extend_attention import (ExtendConfig, extend_attention, extend_attention_reference,  # noqa: E402
+                                              extend_config)
 
 DEVICE = "cpu" if DRY else "cuda"
 DTYPE = torch.float32 if DRY else torch.bfloat16
 # Llama-3-8B attention layout; tiny in the dry run
 HEADS, KV_HEADS, DIM = (4, 2, 64) if DRY else (32, 8, 128)
 PAGE = 16
+# extend attention's alternatives to extend_config's choice, each timed beside it (query block x key
+# block, warps, pipeline stages)
+EXTEND_CONFIGS = ([ExtendConfig(32, 16, 4, 1)] if DRY else
+                  [ExtendConfig(64, 64, 4, 1), ExtendConfig(64, 64, 4, 3), ExtendConfig(128, 64, 8, 2),
+                   ExtendConfig(128, 64, 8, 3), ExtendConfig(128, 32, 4, 2), ExtendConfig(128, 128, 8, 2)])
 
 
 def bench_ms(fn) -> float:
@@ -122,13 +133,20 @@ def time_extend(rows: list[str]) -> None:
         ms = bench_ms(lambda: extend_attention(q, k_cache, v_cache, table, req_rows, pre, ext, DIM ** -0.5))
         flops = 4 * HEADS * DIM * (n * (n + 1) / 2 + n * prefix)
         ours = flops / (ms * 1e-3)
+        tried = {}  # the other block shapes, warps and stages: what the next round should pick
+        for c in EXTEND_CONFIGS:
+            tried[c] = bench_ms(lambda: extend_attention(q, k_cache, v_cache, table, req_rows, pre, ext, DIM ** -0.5,
+                                                         config=c))
+        best = min(tried, key=tried.get)
+        alternative = (f"{best.block_m}x{best.block_n}, {best.num_warps} warps, {best.num_stages} stages: "
+                       f"{flops / (tried[best] * 1e-3) / 1e12:.1f}")
         baseline = "-"
         if prefix == 0:
             qs = q.transpose(0, 1)[None]
             ks, vs = (x.repeat_interleave(HEADS // KV_HEADS, 1).transpose(0, 1)[None] for x in (k, v))
             sdpa_ms = bench_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
             baseline = f"{flops / (sdpa_ms * 1e-3) / 1e12:.1f} ({ours / (flops / (sdpa_ms * 1e-3)):.2f}x)"
-        rows.append(f"| {n} | {prefix} | {ms:.3f} | {ours / 1e12:.1f} | {baseline} |")
+        rows.append(f"| {n} | {prefix} | {ms:.3f} | {ours / 1e12:.1f} | {alternative} | {baseline} |")
 
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -169,16 +187,122 @@ def end_to_end(rows: list[str], path: str) -> None:
                 f"{requests * (prompt + new) / wall:.0f} |")
 
 
-def decode_rate(engine, batch: int) -> float:
-    """Output tokens/s of `batch` requests decoding together, their prefill not timed."""
+PROFILE_STEPS = 2 if DRY else 20
+WARM_STEPS = 0 if DRY else 20  # graphs captured and Triton compiled before the window (nothing to warm in the dry run)
+PROFILE_BATCHES = (3,) if DRY else (1, 128)
+PREFILL_REQUESTS, PREFILL_PROMPT = (2, 32) if DRY else (8, 1024)  # one prefill-heavy step's prompts
+# host-device synchronizations the CUDA runtime records (a read of a device value, `.item()`, is
+# counted apart: aten::_local_scalar_dense, on the CPU too)
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+TOP_KERNELS = 5
+
+
+def add_requests(sched, n: int, prompt: int, new: int, tag: str) -> None:
     from radixlm.runtime.messages import TokenizedRequest
     from radixlm.runtime.sampling_params import SamplingParams
 
+    for i in range(n):
+        ids = torch.randint(0, SHAPE["vocab_size"], (prompt,)).tolist()
+        sched.add_request(TokenizedRequest(f"{tag}-{i}-{time.monotonic_ns()}", ids, SamplingParams(
+            max_new_tokens=new, temperature=0, ignore_eos=True)))
+
+
+def profiled_steps(sched, steps: int):
+    """`steps` scheduler steps under torch.profiler, the device drained inside the window: (the
+    profile, each step's host seconds)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([] if DRY else [ProfilerActivity.CUDA])
+    host = []
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            start = time.perf_counter()
+            sched.step()
+            host.append(time.perf_counter() - start)
+        if not DRY:
+            torch.cuda.synchronize()
+    return prof, host
+
+
+def kernel_events(prof) -> list:
+    """The device's kernels (and copies); in the dry run the top-level torch ops stand in."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    if not DRY:
+        return [e for e in events if e.device_type == DeviceType.CUDA]
+    return [e for e in events if e.cpu_parent is None and e.name.startswith("aten::")]
+
+
+def busy_us(kernels: list) -> tuple[float, float]:
+    """(microseconds with some kernel running, the window from the first start to the last end)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    if not spans:
+        return 0.0, 0.0
+    busy, (lo, hi) = 0.0, spans[0]
+    for a, b in spans[1:]:
+        if a > hi:
+            busy, lo = busy + hi - lo, a
+        hi = max(hi, b)
+    return busy + hi - lo, spans[-1][1] - spans[0][0]
+
+
+def profile_rows(rows: list[str], tops: list[str], label: str, prof, host: list[float]) -> None:
+    from collections import Counter
+
+    steps = len(host)
+    kernels = kernel_events(prof)
+    busy, window = busy_us(kernels)
+    names = Counter(e.name for e in prof.events())
+    syncs = sum(names[c] for c in SYNC_CALLS)
+    reads = names["aten::_local_scalar_dense"]
+    idle = f"{1 - busy / window:.0%}" if window else "-"
+    rows.append(f"| {label} | {1e3 * sum(host) / steps:.2f} | {busy / 1e3 / steps:.2f} | {idle} | "
+                f"{syncs / steps:.1f} | {reads / steps:.1f} |")
+    by_kernel = Counter()
+    for e in kernels:
+        by_kernel[e.name] += e.time_range.elapsed_us()
+    for name, us in by_kernel.most_common(TOP_KERNELS):
+        short = name if len(name) <= 60 else name[:57] + "..."
+        tops.append(f"| {label} | `{short}` | {us / 1e3 / steps:.3f} | {us / busy:.0%} |")
+
+
+def profile_steps(rows: list[str], path: str) -> None:
+    """What a step costs, on the engine's defaults (graphs and overlap as they are on this device):
+    decode at each of PROFILE_BATCHES, then one prefill-heavy step. Two tables: per step, and the
+    top kernels of each."""
+    from radixlm.runtime.local_engine import LocalEngine
+
+    batch = max(PROFILE_BATCHES)
+    tokens = max(batch * (DECODE_PROMPT + WARM_STEPS + PROFILE_STEPS + 2), PREFILL_REQUESTS * (PREFILL_PROMPT + 2)) + 4096
+    engine = LocalEngine(path, max_total_tokens=tokens, cuda_graph_max_bs=batch, **engine_args())
+    sched, tops = engine.scheduler, []
+    try:
+        for n in PROFILE_BATCHES:
+            add_requests(sched, n, DECODE_PROMPT, WARM_STEPS + PROFILE_STEPS + 2, f"p{n}")
+            while sched.waiting or sched.chunked:
+                sched.step()
+            for _ in range(WARM_STEPS):
+                sched.step()
+            prof, host = profiled_steps(sched, PROFILE_STEPS)
+            profile_rows(rows, tops, f"decode, batch {n}", prof, host)
+            while sched.has_work:
+                sched.step()
+        add_requests(sched, PREFILL_REQUESTS, PREFILL_PROMPT, 1, "prefill")
+        prof, host = profiled_steps(sched, 1)
+        profile_rows(rows, tops, f"prefill, {PREFILL_REQUESTS} x {PREFILL_PROMPT} tokens (first step)", prof, host)
+        while sched.has_work:
+            sched.step()
+    finally:
+        engine.shutdown()
+    rows.extend(["", f"Top {TOP_KERNELS} kernels by {'CPU (dry run)' if DRY else 'GPU'} time:", "",
+                 "| workload | kernel | ms a step | of busy |", "|---|---|---|---|", *tops])
+
+
+def decode_rate(engine, batch: int) -> float:
+    """Output tokens/s of `batch` requests decoding together, their prefill not timed."""
     sched = engine.scheduler
-    for i in range(batch):
-        ids = torch.randint(0, SHAPE["vocab_size"], (DECODE_PROMPT,)).tolist()
-        sched.add_request(TokenizedRequest(f"d{batch}-{i}-{time.monotonic_ns()}", ids, SamplingParams(
-            max_new_tokens=DECODE_NEW, temperature=0, ignore_eos=True)))
+    add_requests(sched, batch, DECODE_PROMPT, DECODE_NEW, f"d{batch}")
     while sched.waiting or sched.chunked:
         sched.step()
     start = time.perf_counter()
@@ -323,12 +447,17 @@ def main() -> None:
     bw = copy_bandwidth()
     section(f"Decode attention (copy bandwidth {bw / 1e9:.0f} GB/s)", ["| batch | context | ms | GB/s | of copy |",
             "|---|---|---|---|---|"], lambda rows: time_decode(rows, bw))
-    section("Extend attention (causal; FLOP/s)", ["| new tokens | cached prefix | ms | TFLOP/s | torch SDPA TFLOP/s "
-            "(ours/theirs) |", "|---|---|---|---|---|"], time_extend)
+    default = extend_config(DIM, torch.device(DEVICE))
+    section(f"Extend attention (causal; FLOP/s; {default.block_m}x{default.block_n}, {default.num_warps} warps, "
+            f"{default.num_stages} stages)", ["| new tokens | cached prefix | ms | TFLOP/s | the best other config: "
+            "TFLOP/s | torch SDPA TFLOP/s (ours/theirs) |", "|---|---|---|---|---|---|"], time_extend)
     with tempfile.TemporaryDirectory() as tmp:
         path = llama3_shape(tmp)
         section("End to end (random-weight Llama-3-8B shape)", ["| workload | wall s | output tok/s | total tok/s |",
                 "|---|---|---|---|"], lambda rows: end_to_end(rows, path))
+        section(f"Profile ({PROFILE_STEPS} steps each; the engine's defaults)",
+                ["| workload | host ms a step | GPU busy ms a step | GPU idle | syncs a step | .item() a step |",
+                 "|---|---|---|---|---|---|"], lambda rows: profile_steps(rows, path))
         graphs = "eager static batches (dry run)" if DRY else "CUDA graphs"
         section(f"Decode tokens/s by batch ({DECODE_PROMPT}-token prompts, {DECODE_NEW} new; vs graphs off, overlap off)",
                 [f"| batch | {graphs} + overlap | {graphs}, no overlap | eager + overlap | eager, no overlap |",

@@ -61,11 +61,13 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def attend_block(qv, kb, vb, visible, scale, m_i, l_i, acc, PRECISION: tl.constexpr):
+def attend_block(qv, kb, vb, visible, scale, m_i, l_i, acc, PRECISION: tl.constexpr, MASKED: tl.constexpr = True):
     """One step of the online softmax: fold a block of keys/values into the running max `m_i`,
-    normaliser `l_i` and unnormalised output `acc` of the queries `qv`."""
+    normaliser `l_i` and unnormalised output `acc` of the queries `qv`. MASKED: only where
+    `visible` (else every query sees every key of the block, and `visible` is not read)."""
     scores = tl.dot(qv, tl.trans(kb), input_precision=PRECISION) * scale
-    scores = tl.where(visible, scores, float("-inf"))
+    if MASKED:
+        scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     p = tl.exp(scores - m_new[:, None])
     alpha = tl.exp(m_i - m_new)

@@ -20,6 +20,7 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8", "fp8_e4m3")  # cache/kv_pool.py's KV_DTYPES, and auto
 QUANT_GROUP_SIZES = (32, 64, 128, 256)
 GRAMMAR_BACKENDS = ("outlines", "llguidance", "xgrammar")
+CPU_STEP_TOKENS, CUDA_STEP_TOKENS = 256, 8192  # --chunked-prefill-size's defaults (see the field)
 SPECULATIVE_METHODS = ("off", "auto", "ngram", "radix", "draft")
 
 
@@ -50,12 +51,15 @@ class ServerArgs:
     max_total_tokens: int | None = field(default=None, metadata={"help": "KV pool size in tokens (default: from --mem-fraction)"})
     mem_fraction: float = field(default=0.0, metadata={"help": "fraction of free memory for the KV pool (0: 0.15 on CPU, 0.85 on CUDA)"})
     max_running_requests: int = field(default=256, metadata={"help": "most requests decoding at once"})
-    # 256: on a 2-core CPU a prefill token costs ~0.7 ms and a batch-32 decode step ~70 ms, so a full
-    # budget (224 prefill tokens beside 32 decodes) delays each running request's next token ~3x,
-    # once; larger budgets buy no throughput, as per-token cost is flat (benchmarks/step_cost.py)
-    chunked_prefill_size: int = field(default=256, metadata={
-        "help": "token budget of one step: the running requests' tokens, then prefill in what is left; "
-                "0 or -1: no budget (whole prompts, up to --max-prefill-tokens, beside the decodes)"})
+    # auto, on a CPU 256: on a 2-core CPU a prefill token costs ~0.7 ms and a batch-32 decode step
+    # ~70 ms, so a full budget (224 prefill tokens beside 32 decodes) delays each running request's
+    # next token ~3x, once; larger budgets buy no throughput, as per-token cost is flat
+    # (benchmarks/step_cost.py). On CUDA 8192 (SGLang's on large GPUs): a 256-token step of an 8B
+    # model reads all its weights for ~4 TFLOP of work, far below what the GPU does in that time.
+    chunked_prefill_size: int | None = field(default=None, metadata={
+        "help": "token budget of one step: the running requests' tokens, then prefill in what is left "
+                f"(default: {CPU_STEP_TOKENS} on a CPU, {CUDA_STEP_TOKENS} on CUDA); 0 or -1: no budget (whole "
+                "prompts, up to --max-prefill-tokens, beside the decodes)"})
     max_prefill_tokens: int = field(default=16384, metadata={"help": "most tokens in one prefill batch"})
     schedule_policy: str = field(default="lpm", metadata={"help": "one of " + ", ".join(SCHEDULE_POLICIES)})
     disable_radix_cache: bool = field(default=False, metadata={"help": "no prefix sharing"})
@@ -104,8 +108,9 @@ class ServerArgs:
                 "scheduler): on, off, or auto (on with CUDA; off on a CPU, where the model's threads need the "
                 "cores the scheduler would take: benchmarks/README.md)"})
     disable_overlap_schedule: bool = field(default=False, metadata={"help": "the same as --overlap-schedule off"})
-    cuda_graph_max_bs: int = field(default=160, metadata={
-        "help": "decode steps of up to this many requests replay a CUDA graph captured per batch-size bucket (CUDA only)"})
+    cuda_graph_max_bs: int | None = field(default=None, metadata={
+        "help": "decode steps of up to this many requests replay a CUDA graph captured per batch-size bucket "
+                "(CUDA only; default: --max-running-requests, so that every decode step replays one)"})
     disable_cuda_graph: bool = field(default=False, metadata={"help": "run every decode step eagerly on CUDA"})
     attention_backend: str = field(default="auto", metadata={
         "help": "torch, native (radixlm's CPU kernels: rotary fused with the K/V store, decode and extend attention) or triton "
@@ -190,7 +195,7 @@ class ServerArgs:
             raise ValueError(f"overlap_schedule must be auto, on or off, got {self.overlap_schedule!r}")
         if self.disable_overlap_schedule:
             self.overlap_schedule = "off"
-        if self.cuda_graph_max_bs < 1:
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError("cuda_graph_max_bs must be >= 1")
         if self.speculative_max_batch_size < 1:
             raise ValueError("speculative_max_batch_size must be >= 1")
@@ -218,9 +223,11 @@ class ServerArgs:
         per_node = self.tp_size // self.nnodes
         return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
-    @property
-    def chunk_size(self) -> int | None:
-        """The token budget of one step, or None when there is none (chunking off)."""
+    def chunk_size(self, device_type: str) -> int | None:
+        """The token budget of one step on a device of `device_type`, or None when there is none
+        (chunking off)."""
+        if self.chunked_prefill_size is None:
+            return CUDA_STEP_TOKENS if device_type == "cuda" else CPU_STEP_TOKENS
         return self.chunked_prefill_size if self.chunked_prefill_size > 0 else None
 
     @classmethod

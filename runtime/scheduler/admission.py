@@ -52,11 +52,11 @@ class Admitted:
 
 
 def step_budget(args: ServerArgs, kv: KVManager, running: list[Req], chunked: Req | None, ratio: float) -> Budget:
-    """The prefill share of a step: the token budget less the running requests' tokens, and the
-    pages no one has claimed (`reserved_pages`)."""
+    """The prefill share of a step: the token budget (on the pool's device) less the running
+    requests' tokens, and the pages no one has claimed (`reserved_pages`)."""
     decode_pages = step_pages(kv, running)
     pages = kv.available_pages - reserved_pages(kv, running, chunked, ratio) - decode_pages
-    chunk = args.chunk_size
+    chunk = args.chunk_size(kv.device.type)
     if chunk is None:  # chunking off: whole prompts, up to max_prefill_tokens beside the decodes
         return Budget(tokens=args.max_prefill_tokens, chunk=None, pages=pages, decode_pages=decode_pages)
     left = max(min(chunk, args.max_prefill_tokens) - sum(r.extend_len for r in running), 0)

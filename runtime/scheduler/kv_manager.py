@@ -86,6 +86,7 @@ class KVManager:
         pages are kept for."""
         self.page_size = page_size
         self.num_pages = num_pages
+        self.device = device
         self.table = table
         self.tier = tier
         self.window = window if table.window_table is not None else None

@@ -26,6 +26,7 @@ from radixlm.runtime.worker import gemm
 from radixlm.runtime.worker.forward_batch import ForwardBatch, ForwardMode, StepTokens
 
 if TYPE_CHECKING:
+    from radixlm.runtime.args import ServerArgs
     from radixlm.runtime.worker.model_worker import ModelWorker
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,13 @@ _BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 1
 
 def buckets(max_bs: int) -> list[int]:
     return [b for b in _BUCKETS if b < max_bs] + [max_bs]
+
+
+def graph_batch_limit(args: ServerArgs) -> int:
+    """The largest decode step a graph is captured for: --cuda-graph-max-bs, by default the largest
+    running batch (--max-running-requests), so that no decode step runs eagerly; never above it."""
+    wanted = args.cuda_graph_max_bs if args.cuda_graph_max_bs is not None else args.max_running_requests
+    return min(wanted, args.max_running_requests)
 
 
 class DecodeGraphRunner:

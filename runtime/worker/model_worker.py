@@ -17,7 +17,7 @@ from radixlm.runtime.cache.kv_pool import KVDtype, KVPool, ReqToTokenTable, kv_d
 from radixlm.runtime.model_config import ModelConfig, ModelSource, load_config, resolve_model, weights_fingerprint
 from radixlm.runtime.worker import gemm, lora, quant
 from radixlm.runtime.worker.attention.base import AttentionBackend
-from radixlm.runtime.worker.cuda_graph import DecodeGraphRunner
+from radixlm.runtime.worker.cuda_graph import DecodeGraphRunner, graph_batch_limit
 from radixlm.runtime.worker.draft_model import DraftModel
 from radixlm.runtime.worker.forward_batch import FUTURE_BASE, ForwardBatch, WorkerBatch
 from radixlm.runtime.worker.layers import fit_positions, materialize_all, use_native_ops
@@ -229,7 +229,7 @@ class ModelWorker:
         if self.tp.size > 1 or self.draft is not None or not isinstance(self.attn_backend, TritonAttention):
             log.info("CUDA graphs are off: they run with the triton attention backend, one rank and no draft model")
             return None
-        runner = DecodeGraphRunner(self, min(self.args.cuda_graph_max_bs, self.args.max_running_requests))
+        runner = DecodeGraphRunner(self, graph_batch_limit(self.args))
         runner.capture()
         return runner
 

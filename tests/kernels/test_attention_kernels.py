@@ -62,7 +62,7 @@ def test_extend_attention_matches_reference(dtype, page, group, dim):
     kv_heads = 2
     heads = kv_heads * group
     prefix = [0, 1, page - 1 if page > 1 else 2, page, 40]  # none, one token, page edges, several pages
-    extend = [5, 1, 17, 3, 9]
+    extend = [5, 1, 17, 3, 37]  # (the last: query blocks past the first, each with whole key blocks, then its diagonal)
     table, rows, slots = paged_table([p + e for p, e in zip(prefix, extend)], page, gen)
     k_cache, v_cache = make_pool(slots, kv_heads, dim, dtype, gen)
     tokens = sum(extend)

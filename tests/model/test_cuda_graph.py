@@ -11,7 +11,8 @@ import pytest
 from conftest import NEW_TOKENS
 from helpers import assert_drained
 from oracle import assert_matches
-from radixlm.runtime.worker.cuda_graph import DecodeGraphRunner, buckets
+from radixlm.runtime.args import ServerArgs
+from radixlm.runtime.worker.cuda_graph import DecodeGraphRunner, buckets, graph_batch_limit
 
 
 def _params(n: int) -> list[dict]:
@@ -30,6 +31,17 @@ def test_buckets_end_at_the_largest_batch():
     assert buckets(1) == [1]
     assert buckets(10) == [1, 2, 4, 8, 10]
     assert buckets(160)[-2:] == [128, 160] and buckets(13)[-2:] == [12, 13]
+
+
+def test_every_decode_batch_the_scheduler_runs_has_a_graph():
+    """By default graphs are captured up to the largest running batch (batches between the old
+    fixed 160 and --max-running-requests' 256 ran eagerly); a smaller --cuda-graph-max-bs holds, a
+    larger one is cut to what can run."""
+    assert graph_batch_limit(ServerArgs()) == ServerArgs().max_running_requests == 256
+    assert graph_batch_limit(ServerArgs(max_running_requests=300)) == 300
+    assert buckets(graph_batch_limit(ServerArgs()))[-1] == 256
+    assert graph_batch_limit(ServerArgs(cuda_graph_max_bs=48)) == 48
+    assert graph_batch_limit(ServerArgs(cuda_graph_max_bs=512, max_running_requests=64)) == 64
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
