@@ -9,6 +9,12 @@ placeholder (`Req.awaiting`) until the step's result is taken. A request that st
 rode in step N+1 for nothing: that row's token is dropped, and its pages and row are released
 only once no launched step holds them (`Req.in_flight`).
 
+The step thread does not wait for a step's tokens: the worker hands them back still on their
+way to the host (`model_worker.Readback`: on CUDA a copy into pinned memory and an event), so
+the thread goes straight on to launch the next step behind it, and the GPU is never left idle
+waiting for the host between overlapped steps; the scheduler waits on the copy only when it
+takes the step back (`WorkerOutput.settle`).
+
 A step overlaps the previous one only when nothing in it depends on that step's tokens
 beyond the placeholder (`may_overlap`): no constraint masks, penalties or drafts among the
 running requests, no prefill rows in the previous step (their KV enters the prefix cache when

@@ -128,6 +128,8 @@ class Scheduler:
         self.penalties = PenaltyTracker(worker.req_to_token.table.shape[0], worker.config.vocab_size, worker.device)
         # overlap scheduling (overlap.py): the step running now, and requests ended while one held them
         self._steps = StepThread(worker) if _overlap(args, worker) else None
+        if self._steps is not None:
+            worker.defer_readback = True  # outputs settled in _take_back, so the step thread launches on at once
         self._in_flight: InFlight | None = None
         self._deferred: list[Req] = []
         self.overlapped_steps = 0  # steps built while the one before them ran
@@ -328,7 +330,7 @@ class Scheduler:
             worker_batch = self._build(batch)
             doing = "running the model"
             try:
-                result = self.worker.forward(worker_batch)
+                result = self.worker.forward(worker_batch).settle()
             except Exception as e:  # noqa: BLE001 - the rest serve on, unless the device is gone
                 self._device_check(e)
                 raise
@@ -410,7 +412,7 @@ class Scheduler:
         failure = None
         try:
             try:
-                result = step.result.result()
+                result = step.result.result().settle()
             except Exception as e:  # noqa: BLE001 - the rest serve on, unless the device is gone
                 self._device_check(e)
                 raise

@@ -32,6 +32,26 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class Readback:
+    """A step's sampled tensors on their way to the host, read as lists when first needed: on CUDA
+    copied into pinned memory without waiting, an event recorded after the copies, so the step
+    thread returns as soon as the step is launched and launches the next one behind it (the GPU
+    never waits on the host between overlapped steps); the scheduler waits on the event when it
+    takes the step back (`WorkerOutput.settle`)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.host = {name: t.to("cpu", non_blocking=True) for name, t in tensors.items()}  # pinned on CUDA
+        self.done = None
+        if any(t.is_cuda for t in tensors.values()):
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def lists(self) -> dict[str, list]:
+        if self.done is not None:
+            self.done.synchronize()
+        return {name: t.tolist() for name, t in self.host.items()}
+
+
 @dataclass
 class WorkerOutput:
     next_token_ids: list[int]
@@ -43,6 +63,15 @@ class WorkerOutput:
     prompt_top_logprob_ids: list[list[int]] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)  # the draft model's, per WorkerBatch.draft_rows
     embed_hidden: torch.Tensor | None = None  # [E, hidden] float32 on the CPU, per WorkerBatch.embed_rows
+    pending: Readback | None = None  # the sampled fields above, still on their way (ModelWorker.defer_readback)
+
+    def settle(self) -> WorkerOutput:
+        """The sampled fields as lists, waiting for their copies where they are still pending."""
+        if self.pending is not None:
+            for name, value in self.pending.lists().items():
+                setattr(self, name, value)
+            self.pending = None
+        return self
 
 
 def pick_device(name: str, tp: TPContext = SINGLE) -> torch.device:
@@ -124,6 +153,9 @@ class ModelWorker:
         self._lora_clock = itertools.count(1)  # each use of an adapter's turn (LoraAdapter.last_used)
         self.sampler = Sampler()
         self._sampled = torch.zeros(1, dtype=torch.int64, device=self.device)  # the latest step's tokens
+        # steps return with their sampled tokens still on the way (Readback), for the overlap
+        # scheduler, which settles each output when it takes the step back
+        self.defer_readback = False
         torch.manual_seed(args.random_seed)
 
     # ---- set-up ------------------------------------------------------------------------------
@@ -319,12 +351,14 @@ class ModelWorker:
             logits = self.model.compute_logits(hidden[b.sample_rows])
             s = self.sampler(logits, b.sampling, return_logprob=b.return_logprob, top_logprobs_num=b.top_logprobs_num)
             self._sampled = s.next_token_ids  # what the next step's future ids stand for
-            out.next_token_ids = s.next_token_ids.tolist()
+            sampled = {"next_token_ids": s.next_token_ids}
             if s.logprobs is not None:
-                out.logprobs = s.logprobs.tolist()
+                sampled["logprobs"] = s.logprobs
             if s.top_logprobs is not None:
-                out.top_logprobs = s.top_logprobs.tolist()
-                out.top_logprob_ids = s.top_logprob_ids.tolist()
+                sampled.update(top_logprobs=s.top_logprobs, top_logprob_ids=s.top_logprob_ids)
+            out.pending = Readback(sampled)
+            if not self.defer_readback:
+                out.settle()
         return out
 
     # ---- weights updated in place -----------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -27,12 +29,26 @@ def test_tiny_models_match_hf(tiny):
 # differ (plain Llama layers, q/k norms, sliding windows beside global layers)
 @pytest.mark.parametrize("tiny", ["llama", "qwen3", "gemma3"], indirect=True)
 def test_tiny_models_match_hf_overlapped(tiny):
+    """Also: the step thread never waits for a step's sampled tokens (on CUDA that wait would leave
+    the GPU idle until the next launch): each output it returns still has them on their way, and
+    the scheduler settles them, logprobs too."""
     for prompts, refs, pages in ((tiny.prompts, tiny.refs, 0), (tiny.shared_prompts, tiny.shared_refs, 16)):
         engine = tiny.engine(overlap_schedule="on", page_size=pages)
-        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        forward, unread = engine.worker.forward, []
+
+        def recording(batch):
+            out = forward(batch)
+            unread.append(out.pending is not None and threading.current_thread().name.startswith("radixlm-step"))
+            return out
+
+        engine.worker.forward = recording
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
         for i, (res, ref) in enumerate(zip(results, refs)):
             assert_matches(res["output_ids"], ref, f"{tiny.kind} prompt {i}, overlapped, page size {pages}")
+            logprobs = [lp for lp, _, _ in res["meta_info"]["output_token_logprobs"]]
+            assert len(logprobs) == len(res["output_ids"]) and all(lp <= 0 for lp in logprobs), logprobs
         assert engine.scheduler.overlapped_steps > 0
+        assert unread and all(unread), unread
         assert_drained(engine)
 
 
