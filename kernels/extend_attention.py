@@ -93,15 +93,16 @@ class ExtendConfig:
     num_stages: int
 
 
-def extend_config(dim: int, device: torch.device) -> ExtendConfig:
+def extend_config(dim: int, dtype: torch.dtype, device: torch.device) -> ExtendConfig:
     """Query and key block sizes, warps and pipeline stages: FlashAttention-2's shape on Ampere and
-    later (128 queries a program, 64 keys a block, 8 warps where a head is wider than 64, keys
-    prefetched 2-3 blocks ahead), smaller on older GPUs (less shared memory); 16 x 16 under the
-    interpreter, where a block is numpy work."""
+    later for 16-bit queries (128 queries a program, 64 keys a block, 8 warps where a head is
+    wider than 64, keys prefetched 2-3 blocks ahead), smaller for fp32 queries and on older GPUs
+    (their blocks would not fit in shared memory); 16 x 16 under the interpreter, where a block is
+    numpy work."""
     if interpreting() or device.type != "cuda":
         return ExtendConfig(16, 16, 4, 1)
     major, _ = torch.cuda.get_device_capability(device)
-    if major >= 8:
+    if major >= 8 and dtype.itemsize == 2:
         return ExtendConfig(128, 64 if dim <= 128 else 32, 8 if dim > 64 else 4, 3 if major >= 9 else 2)
     return ExtendConfig(64, 64 if dim <= 128 else 32, 4, 1)
 
@@ -122,7 +123,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q_starts = torch.cumsum(extend_lens, 0) - extend_lens
     if max_extend_len is None:
         max_extend_len = int(extend_lens.max())
-    config = config or extend_config(dim, q.device)
+    config = config or extend_config(dim, q.dtype, q.device)
     out = torch.empty_like(q) if out is None else out
     grid = (batch, heads, triton.cdiv(max_extend_len, config.block_m))
     pools = pool_args(k_cache, v_cache, q)
