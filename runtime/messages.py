@@ -139,6 +139,7 @@ class TokenOutput:
     # prompt logprobs come once, with the first output after the prefill
     input_logprobs: list[float | None] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    input_ranks: list[int | None] | None = None  # each prompt token's rank where it stands (from 1)
     embedding: list[float] | None = None  # an embedding request's pooled hidden state, at its end
 
     @property

@@ -69,9 +69,10 @@ class Req:
         # prompt logprobs, filled while prefilling; None until wanted
         self.input_logprobs: list[float | None] | None = None
         self.input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+        self.input_ranks: list[int | None] | None = None
         self.input_logprobs_sent = False
         if self.wants_input_logprobs and self.prompt_len == 1:  # position 0 alone: no logprob, nothing to compute
-            self.input_logprobs, self.input_top_logprobs = [None], [None]
+            self.input_logprobs, self.input_top_logprobs, self.input_ranks = [None], [None], [None]
         self.grammar_key: tuple[str, str] | None = None  # constraint, while its index compiles
         self.grammar: Any = None  # its compiled Grammar, once ready
         self.guide: Any = None  # its constrained.backend.Matcher: its place in the constraint

@@ -783,7 +783,9 @@ class Scheduler:
                 start = req.logprob_start_len
                 req.input_logprobs = [None] if start == 0 else []
                 req.input_top_logprobs = [None] if start == 0 else []
+                req.input_ranks = [None] if start == 0 else []
             req.input_logprobs.extend(out.prompt_logprobs[at : at + count])
+            req.input_ranks.extend(out.prompt_ranks[at : at + count])
             if req.top_logprobs_num:
                 k = req.top_logprobs_num
                 for vals, ids in zip(out.prompt_top_logprobs[at : at + count], out.prompt_top_logprob_ids[at : at + count]):
@@ -855,6 +857,7 @@ class Scheduler:
             out.output_top_logprobs = req.output_top_logprobs[req.sent_len :]
             if req.input_logprobs is not None and not req.input_logprobs_sent and (req.output_ids or req.finish):
                 out.input_logprobs, out.input_top_logprobs = req.input_logprobs, req.input_top_logprobs
+                out.input_ranks = req.input_ranks
                 req.input_logprobs_sent = True
         req.sent_len = len(req.output_ids)
         return out

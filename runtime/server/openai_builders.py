@@ -200,17 +200,18 @@ class VllmOptions:
 def prompt_logprobs(meta: dict[str, Any], top: int) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's ``prompt_logprobs``: per prompt token (from the first, which has none: null), the
     token itself and the ``top`` most likely tokens there, by id, each with its logprob, its
-    rank (from 1) and its text (``decoded_token``). The token's own rank is its place among the
-    alternatives the runtime returned, null when it is not among them."""
+    rank (the tokens at least as likely there, itself included, as vLLM counts) and its text
+    (``decoded_token``)."""
     entries = meta.get("input_token_logprobs") or []
     tops = _padded(meta.get("input_top_logprobs"), len(entries))
+    ranks = _padded(meta.get("input_token_ranks"), len(entries))
     out: list[dict[str, dict[str, Any]] | None] = []
-    for (logprob, token_id, text), alternatives in zip(entries, tops):
+    for (logprob, token_id, text), alternatives, own_rank in zip(entries, tops, ranks):
         if logprob is None:
             out.append(None)
             continue
         ranked = [(lp, tid, tx, rank) for rank, (lp, tid, tx) in enumerate(alternatives or [], 1)]
-        own = next((r for r in ranked if r[1] == token_id), (logprob, token_id, text, None))
+        own = next((r for r in ranked if r[1] == token_id), (logprob, token_id, text, own_rank))
         out.append({str(tid): {"logprob": _finite(lp), "rank": rank, "decoded_token": tx}
                     for lp, tid, tx, rank in [own, *ranked[:top]]})
     return out

@@ -38,6 +38,7 @@ class RequestOutput:
         self.top_logprobs: list[Any] = []
         self.input_logprobs: list[list[Any]] | None = None  # [logprob, id] per prompt position from the start
         self.input_top_logprobs: list[Any] | None = None
+        self.input_ranks: list[int | None] | None = None
         self.prompt_tokens = len(tr.input_ids)
         self.cached_tokens = 0
         self.speculation = (0, 0, 0)  # (verify passes, drafts, drafts kept) so far
@@ -54,6 +55,7 @@ class RequestOutput:
             start = max(self.logprob_start_len, 0)
             self.input_logprobs = [[lp, t] for lp, t in zip(out.input_logprobs, self.prompt_ids[start:])]
             self.input_top_logprobs = out.input_top_logprobs
+            self.input_ranks = out.input_ranks
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
         self.speculation = (out.spec_verify_ct, out.spec_proposed_tokens, out.spec_accepted_tokens)
         if out.finish_reason is not None:
@@ -86,6 +88,8 @@ class RequestOutput:
             # SGLang always has the prompt's lists: empty when none were asked for (logprob_start_len -1)
             "input_token_logprobs": self._entries(self.input_logprobs or []),
             "input_top_logprobs": [self._entries(top) for top in self.input_top_logprobs or []],
+            # (ours, beside SGLang's: each prompt token's rank where it stands, for vLLM's prompt_logprobs)
+            "input_token_ranks": list(self.input_ranks or []),
         }
 
     def _entries(self, entries: list | None) -> list | None:

@@ -61,6 +61,7 @@ class WorkerOutput:
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top_logprobs: list[list[float]] = field(default_factory=list)
     prompt_top_logprob_ids: list[list[int]] = field(default_factory=list)
+    prompt_ranks: list[int] = field(default_factory=list)  # each prompt target's rank in its row (from 1)
     drafts: list[list[int]] = field(default_factory=list)  # the draft model's, per WorkerBatch.draft_rows
     embed_hidden: torch.Tensor | None = None  # [E, hidden] float32 on the CPU, per WorkerBatch.embed_rows
     pending: Readback | None = None  # the sampled fields above, still on their way (ModelWorker.defer_readback)
@@ -522,7 +523,9 @@ class ModelWorker:
 
     def _prompt_logprobs(self, hidden: torch.Tensor, b: WorkerBatch, out: WorkerOutput) -> None:
         logprobs = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
-        out.prompt_logprobs = logprobs.gather(1, b.prompt_targets[:, None]).squeeze(1).tolist()
+        own = logprobs.gather(1, b.prompt_targets[:, None])
+        out.prompt_logprobs = own.squeeze(1).tolist()
+        out.prompt_ranks = (logprobs >= own).sum(1).tolist()  # vLLM's rank: the tokens at least as likely
         if b.top_logprobs_num > 0:
             vals, ids = logprobs.topk(b.top_logprobs_num, dim=-1)
             out.prompt_top_logprobs, out.prompt_top_logprob_ids = vals.tolist(), ids.tolist()

@@ -46,8 +46,9 @@ def test_prompt_logprobs_are_hfs(server, smol, smol_tokenizer):
         row = ref[i]
         own = entry[str(token)]
         assert abs(own["logprob"] - float(row[token])) < PROMPT_LOGPROB_TOL, (i, own, float(row[token]))
-        hf_rank = int((row > row[token]).sum()) + 1
-        assert own["rank"] == hf_rank if own["rank"] is not None else hf_rank > 3, (i, own, hf_rank)
+        hf_rank = int((row > row[token]).sum()) + 1  # (tokens within the tolerance of it may stand either side)
+        ties = int(((row - row[token]).abs() < PROMPT_LOGPROB_TOL).sum()) - 1
+        assert abs(own["rank"] - hf_rank) <= ties, (i, own, hf_rank, ties)
         assert own["decoded_token"] == smol_tokenizer.decode([token])
         alternatives = sorted((e for e in entry.values() if e["rank"] is not None and e["rank"] <= 3),
                               key=lambda e: e["rank"])
