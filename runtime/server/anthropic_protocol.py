@@ -237,6 +237,11 @@ def _prefill(messages: list[dict[str, Any]], thinking: bool) -> bool:
     if thinking:
         raise ValueError("a last message of the assistant's (a prefill) cannot be continued with thinking enabled, "
                          "as in Anthropic's API: leave it out, or turn thinking off")
+    content = messages[-1].get("content") or ""
+    text = content if isinstance(content, str) else "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if text != text.rstrip():  # (a space would be tokenized apart from the word the reply goes on with)
+        raise ValueError("final assistant content cannot end with trailing whitespace (a prefill), as in "
+                         "Anthropic's API")
     return True
 
 

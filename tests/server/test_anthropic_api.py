@@ -201,6 +201,10 @@ def test_tool_choice_any_calls_one_of_the_tools(client):
      400, "a tool_result's content has blocks of type image, which are not supported: the served model reads text"),
     ({"max_tokens": 5, "messages": ASK, "tools": [{"name": "t" * 65, "input_schema": {"type": "object"}}]}, 400,
      f"the tool name '{'t' * 65}' (65 characters) is not allowed"),
+    ({"max_tokens": 5, "messages": [*ASK, {"role": "assistant", "content": "The three colors are "}]}, 400,
+     "final assistant content cannot end with trailing whitespace"),  # (Anthropic's own words)
+    ({"max_tokens": 5, "messages": [*ASK, {"role": "assistant", "content": [{"type": "text", "text": "Red\n"}]}]}, 400,
+     "final assistant content cannot end with trailing whitespace"),
 ])
 def test_bad_requests_get_anthropics_error_shape(server, body, status, says):
     r = httpx.post(server.url + "/v1/messages", json={"model": "default", **body}, timeout=60)
