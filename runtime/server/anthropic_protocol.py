@@ -2,8 +2,9 @@
 mapping onto chat, free of I/O like responses_protocol.py:
 
 * ``MessagesRequest``: parses and range-checks a request (content blocks: text, tool_use,
-  tool_result, thinking), refusing what a text-only local server cannot honour (images,
-  documents, server tools) with a message that says so;
+  tool_result, thinking, text documents and search results, read as their text), refusing what a
+  text-only local server cannot honour (images, PDF and URL documents, server tools) with a
+  message that says so;
 * ``to_chat``: the same request as a ``ChatCompletionRequest`` (system prompt, turns, system
   turns where they stand, a trailing assistant turn continued, tools and ``tool_choice``: auto,
   any = required, tool = named, none; thinking off unless asked for, as Qwen3's template switch),
@@ -65,10 +66,57 @@ class ToolUseBlock(_Block):
     input: dict[str, Any]
 
 
+class DocumentSource(BaseModel):
+    """A document's text: plain text (`data`), or `content` (a string or text blocks). Base64 (a
+    PDF) and URL sources are refused: the served model reads text, and nothing is fetched."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    data: str | None = None
+    content: str | list[TextBlock] | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> DocumentSource:
+        _refuse_source(self.type)
+        return self
+
+    @property
+    def text(self) -> str:
+        if self.type == "text":
+            return self.data or ""
+        return self.content if isinstance(self.content, str) else "\n".join(b.text for b in self.content or ())
+
+
+class DocumentBlock(_Block):
+    """A text document, given to the model as its title, context and text."""
+
+    type: Literal["document"]
+    source: DocumentSource
+    title: str | None = None
+    context: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "\n".join(part for part in (self.title, self.context, self.source.text) if part)
+
+
+class SearchResultBlock(_Block):
+    """A search result (a tool's, or the user's), given to the model as its title, source and text."""
+
+    type: Literal["search_result"]
+    source: str
+    title: str
+    content: list[TextBlock]
+
+    @property
+    def text(self) -> str:
+        return "\n".join([f"{self.title} ({self.source})", *(b.text for b in self.content)])
+
+
 class ToolResultBlock(_Block):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextBlock] | None = None
+    content: str | list[Annotated[TextBlock | DocumentBlock | SearchResultBlock, Field(discriminator="type")]] | None = None
     is_error: bool = False
 
     @property
@@ -87,9 +135,24 @@ class RedactedThinkingBlock(_Block):
     type: Literal["redacted_thinking"]
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
-                  Field(discriminator="type")]
-_BLOCK_TYPES = {"text", "tool_use", "tool_result", "thinking", "redacted_thinking"}
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock | DocumentBlock
+                  | SearchResultBlock, Field(discriminator="type")]
+_BLOCK_TYPES = {"text", "tool_use", "tool_result", "thinking", "redacted_thinking", "document", "search_result"}
+_RESULT_TYPES = {"text", "document", "search_result"}  # what a tool_result's content may hold
+
+
+def _refuse_source(kind: Any) -> None:
+    if kind not in ("text", "content"):
+        raise ValueError(f"a document's source of type {kind!r} is not supported: the served model reads text only "
+                         "(a source of type text with its data, or content)")
+
+
+def _refuse_sources(content: Any) -> None:
+    """Refuses a document block in `content` whose source is no text (checked before the fields, as
+    `_refuse_blocks`, so the message names it)."""
+    for b in content if isinstance(content, list) else ():
+        if isinstance(b, dict) and b.get("type") == "document" and isinstance(b.get("source"), dict):
+            _refuse_source(b["source"].get("type"))
 
 
 def _refuse_blocks(content: Any, allowed: set[str], where: str, what: str) -> None:
@@ -118,10 +181,14 @@ class InputMessage(BaseModel):
             return data
         content, system = data.get("content"), data.get("role") == "system"
         _refuse_blocks(content, {"text"} if system else _BLOCK_TYPES, "a system turn" if system else "a message",
-                       "text blocks" if system else "text, tool_use, tool_result and thinking blocks")
+                       "text blocks" if system else
+                       "text, tool_use, tool_result, thinking, text document and search_result blocks")
+        _refuse_sources(content)
         for block in content if isinstance(content, list) else ():
             if isinstance(block, dict) and block.get("type") == "tool_result":
-                _refuse_blocks(block.get("content"), {"text"}, "a tool_result's content", "a string or text blocks")
+                _refuse_blocks(block.get("content"), _RESULT_TYPES, "a tool_result's content",
+                               "a string, or text, text document and search_result blocks")
+                _refuse_sources(block.get("content"))
         return data
 
 
@@ -281,7 +348,7 @@ def _chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, 
                     out.append({"role": "user", "content": "\n".join(texts)})
                     texts = []
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text})
-            elif isinstance(b, TextBlock):
+            elif isinstance(b, (TextBlock, DocumentBlock, SearchResultBlock)):
                 texts.append(b.text)
         if texts or not blocks:
             out.append({"role": "user", "content": "\n".join(texts)})

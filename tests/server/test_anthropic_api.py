@@ -168,6 +168,36 @@ def test_a_trailing_assistant_message_is_continued(client, chat, server):
     assert_kv_clean(server.url)
 
 
+def test_text_documents_and_search_results_are_read_as_their_text(client, chat, server):
+    """In a user turn and in a tool's result, as the Messages API documents them: a text document
+    (title, context, text; or its content blocks) and a search result (title, source, text) are the
+    same prompt as chat given that text, token for token."""
+    doc = {"type": "document", "title": "Colors", "context": "A note", "source": {
+        "type": "text", "media_type": "text/plain", "data": "Red is warm. Blue is cool."}}
+    found = {"type": "search_result", "source": "https://example.com/green", "title": "Green",
+             "content": [{"type": "text", "text": "Green is the color of grass."}]}
+    parts = {"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": "Yellow."}]}}
+    turns = [{"role": "user", "content": [doc, found, parts, {"type": "text", "text": "Which is warm?"}]}]
+    m = _create(client, messages=turns, max_tokens=8)
+    text = ("Colors\nA note\nRed is warm. Blue is cool.\nGreen (https://example.com/green)\n"
+            "Green is the color of grass.\nYellow.\nWhich is warm?")
+    want = _chat(chat, [{"role": "user", "content": text}], max_tokens=8)
+    assert m.content[0].text == want.choices[0].message.content
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == want.usage.prompt_tokens
+    use = {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {"a": 1, "b": 2}}
+    turns = [*ASK, {"role": "assistant", "content": [use]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [found, doc]}]}]
+    m = _create(client, messages=turns, tools=[ADD], max_tokens=8)
+    want = _chat(chat, [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "toolu_1", "type": "function", "function": {"name": "add", "arguments": json.dumps(use["input"])}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "Green (https://example.com/green)\nGreen is the color "
+         "of grass.\nColors\nA note\nRed is warm. Blue is cool."}],
+        tools=[{"type": "function", "function": {"name": "add", "description": ADD["description"],
+                                                 "parameters": ADD["input_schema"]}}], max_tokens=8)
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == want.usage.prompt_tokens
+    assert_kv_clean(server.url)
+
+
 def test_a_system_turn_among_the_messages_stays_where_it_stands(client, chat, server):
     """Claude Code sends one (it was a 400); SmolLM2's template takes it in place."""
     turns = [*ASK, {"role": "assistant", "content": "Red, green, blue."},
@@ -201,6 +231,13 @@ def test_tool_choice_any_calls_one_of_the_tools(client):
      400, "a tool_result's content has blocks of type image, which are not supported: the served model reads text"),
     ({"max_tokens": 5, "messages": ASK, "tools": [{"name": "t" * 65, "input_schema": {"type": "object"}}]}, 400,
      f"the tool name '{'t' * 65}' (65 characters) is not allowed"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document", "source": {
+        "type": "base64", "media_type": "application/pdf", "data": "AA=="}}]}]}, 400,
+     "a document's source of type 'base64' is not supported: the served model reads text only"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                                  "content": [{"type": "document", "source": {
+                                                                      "type": "url", "url": "https://x.org/a.pdf"}}]}]}]},
+     400, "a document's source of type 'url' is not supported"),
     ({"max_tokens": 5, "messages": [*ASK, {"role": "assistant", "content": "The three colors are "}]}, 400,
      "final assistant content cannot end with trailing whitespace"),  # (Anthropic's own words)
     ({"max_tokens": 5, "messages": [*ASK, {"role": "assistant", "content": [{"type": "text", "text": "Red\n"}]}]}, 400,
