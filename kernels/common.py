@@ -61,7 +61,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def attend_block(qv, kb, vb, visible, scale, m_i, l_i, acc, PRECISION: tl.constexpr, MASKED: tl.constexpr = True):
+def attend_block(qv, kb, vb, visible, scale, m_i, l_i, acc, PRECISION: tl.constexpr, MASKED: tl.constexpr):
     """One step of the online softmax: fold a block of keys/values into the running max `m_i`,
     normaliser `l_i` and unnormalised output `acc` of the queries `qv`. MASKED: only where
     `visible` (else every query sees every key of the block, and `visible` is not read)."""

@@ -58,7 +58,7 @@ def _decode_stage1(
         rows_at = slots * stride_cs + kv_head * stride_ch
         kb, vb = load_kv(k_cache, v_cache, rows_at[:, None] + offs_d[None, :], n_mask[:, None] & d_mask[None, :],
                          UPCAST, k_scales, v_scales, (rows_at + HEAD_DIM) // 4, n_mask, SCALED)
-        m_i, l_i, acc = attend_block(qv, kb, vb, n_mask[None, :], scale, m_i, l_i, acc, PRECISION)
+        m_i, l_i, acc = attend_block(qv, kb, vb, n_mask[None, :], scale, m_i, l_i, acc, PRECISION, MASKED=True)
 
     has = l_i > 0  # an empty split (short context) contributes nothing
     safe_l = tl.where(has, l_i, 1.0)

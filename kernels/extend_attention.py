@@ -78,7 +78,7 @@ def _extend_kernel(
         kb, vb = load_kv(k_cache, v_cache, rows_at[:, None] + offs_d[None, :], n_mask[:, None] & d_mask[None, :],
                          UPCAST, k_scales, v_scales, (rows_at + HEAD_DIM) // 4, n_mask, SCALED)
         visible = (offs_n[None, :] <= prefix + offs_m[:, None]) & n_mask[None, :]
-        m_i, l_i, acc = attend_block(qv, kb, vb, visible, scale, m_i, l_i, acc, PRECISION)
+        m_i, l_i, acc = attend_block(qv, kb, vb, visible, scale, m_i, l_i, acc, PRECISION, MASKED=True)
 
     result = acc / l_i[:, None]
     tl.store(out + (q0 + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
