@@ -128,8 +128,6 @@ class Scheduler:
         self.penalties = PenaltyTracker(worker.req_to_token.table.shape[0], worker.config.vocab_size, worker.device)
         # overlap scheduling (overlap.py): the step running now, and requests ended while one held them
         self._steps = StepThread(worker) if _overlap(args, worker) else None
-        if self._steps is not None:
-            worker.defer_readback = True  # outputs settled in _take_back, so the step thread launches on at once
         self._in_flight: InFlight | None = None
         self._deferred: list[Req] = []
         self.overlapped_steps = 0  # steps built while the one before them ran

@@ -64,7 +64,7 @@ class WorkerOutput:
     prompt_ranks: list[int] = field(default_factory=list)  # each prompt target's rank in its row (from 1)
     drafts: list[list[int]] = field(default_factory=list)  # the draft model's, per WorkerBatch.draft_rows
     embed_hidden: torch.Tensor | None = None  # [E, hidden] float32 on the CPU, per WorkerBatch.embed_rows
-    pending: Readback | None = None  # the sampled fields above, still on their way (ModelWorker.defer_readback)
+    pending: Readback | None = None  # the sampled fields above, still on their way (read by `settle`)
 
     def settle(self) -> WorkerOutput:
         """The sampled fields as lists, waiting for their copies where they are still pending."""
@@ -154,9 +154,6 @@ class ModelWorker:
         self._lora_clock = itertools.count(1)  # each use of an adapter's turn (LoraAdapter.last_used)
         self.sampler = Sampler()
         self._sampled = torch.zeros(1, dtype=torch.int64, device=self.device)  # the latest step's tokens
-        # steps return with their sampled tokens still on the way (Readback), for the overlap
-        # scheduler, which settles each output when it takes the step back
-        self.defer_readback = False
         torch.manual_seed(args.random_seed)
 
     # ---- set-up ------------------------------------------------------------------------------
@@ -330,6 +327,8 @@ class ModelWorker:
 
     @torch.inference_mode()
     def forward(self, b: WorkerBatch) -> WorkerOutput:
+        """One step, launched: its sampled fields are still on their way (`WorkerOutput.settle`
+        reads them), so an overlapped step thread never waits on the device."""
         with gemm.linear_mode(self.linear_mode):
             return self._forward(b)
 
@@ -357,9 +356,7 @@ class ModelWorker:
                 sampled["logprobs"] = s.logprobs
             if s.top_logprobs is not None:
                 sampled.update(top_logprobs=s.top_logprobs, top_logprob_ids=s.top_logprob_ids)
-            out.pending = Readback(sampled)
-            if not self.defer_readback:
-                out.settle()
+            out.pending = Readback(sampled)  # the scheduler settles it when it takes the step
         return out
 
     # ---- weights updated in place -----------------------------------------------------------
