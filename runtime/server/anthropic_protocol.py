@@ -68,17 +68,13 @@ class ToolUseBlock(_Block):
 
 class DocumentSource(BaseModel):
     """A document's text: plain text (`data`), or `content` (a string or text blocks). Base64 (a
-    PDF) and URL sources are refused: the served model reads text, and nothing is fetched."""
+    PDF) and URL sources are refused before this is read (`_refuse_sources`): the served model
+    reads text, and nothing is fetched."""
 
     model_config = ConfigDict(extra="ignore")
-    type: str
+    type: Literal["text", "content"]
     data: str | None = None
     content: str | list[TextBlock] | None = None
-
-    @model_validator(mode="after")
-    def _text_only(self) -> DocumentSource:
-        _refuse_source(self.type)
-        return self
 
     @property
     def text(self) -> str:
@@ -304,8 +300,7 @@ def _prefill(messages: list[dict[str, Any]], thinking: bool) -> bool:
     if thinking:
         raise ValueError("a last message of the assistant's (a prefill) cannot be continued with thinking enabled, "
                          "as in Anthropic's API: leave it out, or turn thinking off")
-    content = messages[-1].get("content") or ""
-    text = content if isinstance(content, str) else "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    text = messages[-1]["content"] or ""  # (an assistant turn's text, joined: _chat_messages)
     if text != text.rstrip():  # (a space would be tokenized apart from the word the reply goes on with)
         raise ValueError("final assistant content cannot end with trailing whitespace (a prefill), as in "
                          "Anthropic's API")
