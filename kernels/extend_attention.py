@@ -17,6 +17,7 @@ generation; gpu_check measures the alternatives).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +67,7 @@ def _extend_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         slots = tl.load(table + row * stride_t + offs_n)
         rows_at = slots * stride_cs + kv_head * stride_ch
-        everywhere = offs_n < whole
+        everywhere = offs_n < whole  # (all true: the loads take a row mask)
         kb, vb = load_kv(k_cache, v_cache, rows_at[:, None] + offs_d[None, :], everywhere[:, None] & d_mask[None, :],
                          UPCAST, k_scales, v_scales, (rows_at + HEAD_DIM) // 4, everywhere, SCALED)
         m_i, l_i, acc = attend_block(qv, kb, vb, 0, scale, m_i, l_i, acc, PRECISION, MASKED=False)
@@ -93,6 +94,7 @@ class ExtendConfig:
     num_stages: int
 
 
+@functools.lru_cache(maxsize=None)  # (asked on every layer of every step)
 def extend_config(dim: int, dtype: torch.dtype, device: torch.device) -> ExtendConfig:
     """Query and key block sizes, warps and pipeline stages: FlashAttention-2's shape on Ampere and
     later for 16-bit queries (128 queries a program, 64 keys a block, 8 warps where a head is
