@@ -211,7 +211,7 @@ def _force_tokens(engine, choose) -> None:
     forward, sched = engine.worker.forward, engine.scheduler
 
     def steered(batch):
-        out = forward(batch)
+        out = forward(batch).settle()  # (its sampled tokens read: they come back pending)
         (req,) = sched._live.values()
         if out.next_token_ids:
             token = choose(req.output_ids)
